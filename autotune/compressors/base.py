@@ -1,0 +1,286 @@
+"""The compressor contract and the registry every compressor is created through.
+
+A compressor reduces a *group* of gradient tensors (those of one DDP bucket that share
+this compressor) across ranks: it encodes them, runs its collectives on a
+:class:`~autotune.compressors.comm.Comm`, decodes, and writes the averaged result back
+in place. All tensors of a group travel in one collective per stage, so a bucket costs
+one collective per compressor and stage, whatever the number of parameters in it.
+
+Only the payload travels; the context (error-feedback memory, PowerSGD's Q, random
+state) stays on the rank, in the compressor, and is saved with ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
+
+import torch
+
+from autotune.compressors.comm import Comm
+from autotune.errors import CompressorError
+
+__all__ = [
+    "Collective",
+    "Param",
+    "Compressor",
+    "CompressorSpec",
+    "Registry",
+    "REGISTRY",
+    "register",
+    "create",
+    "names",
+]
+
+Collective = Literal["allreduce", "allgather"]
+Shape = Sequence[int]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tunable parameter of a compressor, with its range and default."""
+
+    kind: type  # int, float or bool
+    default: Any
+    low: float | None = None  # smallest allowed value (None: unbounded)
+    high: float | None = None  # largest allowed value (None: unbounded)
+    low_open: bool = False  # True: ``low`` itself is not allowed
+    doc: str = ""
+
+    def expected(self) -> str:
+        """Describe the allowed values, e.g. ``a float in the range (0, 1]``."""
+        kind = {int: "an int", float: "a float", bool: "a bool"}[self.kind]
+        if self.kind is bool:
+            return kind
+        if self.low is not None and self.high is not None:
+            left = "(" if self.low_open else "["
+            return f"{kind} in the range {left}{self.low:g}, {self.high:g}]"
+        if self.low is not None:
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        return kind
+
+    def check(self, compressor: str, name: str, value: Any) -> Any:
+        """Return ``value`` converted to this parameter's type, or raise."""
+        ok_type = (
+            isinstance(value, bool)
+            if self.kind is bool
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (self.kind is float or float(value).is_integer())
+        )
+        ok = ok_type
+        if ok and self.kind is not bool:
+            v = float(value)
+            ok = math.isfinite(v)
+            if ok and self.low is not None:
+                ok = v > self.low if self.low_open else v >= self.low
+            if ok and self.high is not None:
+                ok = v <= self.high
+        if not ok:
+            raise CompressorError(
+                f"The {name!r} parameter of {compressor} must be {self.expected()}. "
+                f"Got {value!r} instead."
+            )
+        return self.kind(value)
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """A compressor name and the parameters the user gave; hashable, JSON-friendly."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, **params: Any) -> CompressorSpec:
+        return cls(name, tuple(sorted(params.items())))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompressorSpec:
+        """``{"compressor": "topk", "ratio": 0.01}`` -> spec (validated)."""
+        if not isinstance(data, Mapping):
+            raise CompressorError(f"a compressor spec must be an object, got {data!r}")
+        if "compressor" not in data:
+            raise CompressorError(f"a compressor spec needs a 'compressor' key, got {dict(data)!r}")
+        params = {k: v for k, v in data.items() if k != "compressor"}
+        spec = cls.of(data["compressor"], **params)
+        REGISTRY.validate(spec.name, spec.kwargs)
+        return spec
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compressor": self.name, **self.kwargs}
+
+    def canonical(self) -> CompressorSpec:
+        """The same spec with every default filled in: equal specs compress alike."""
+        return CompressorSpec.of(self.name, **REGISTRY.validate(self.name, self.kwargs))
+
+    def label(self) -> str:
+        """Short human name, e.g. ``powersgd(rank=4)``."""
+        if not self.params:
+            return self.name
+        return f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in self.params) + ")"
+
+
+class Compressor(ABC):
+    """Reduce a group of gradients across ranks, compressed.
+
+    Subclasses set the class attributes and implement :meth:`reduce` and
+    :meth:`wire_messages`; error-feedback compressors keep their memory in
+    :class:`~autotune.compressors.memory.ErrorFeedback` and include it in their state.
+    """
+
+    name: ClassVar[str]
+    # collectives one reduction issues, in order; the cost model reads these
+    collectives: ClassVar[tuple[Collective, ...]]
+    # tunable parameters; every other keyword is rejected
+    params: ClassVar[Mapping[str, Param]] = {}
+    # False for exact methods (allreduce in the gradient's own dtype)
+    lossy: ClassVar[bool] = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.config: dict[str, Any] = REGISTRY.validate(self.name, kwargs)
+
+    @property
+    def spec(self) -> CompressorSpec:
+        return CompressorSpec.of(self.name, **self.config)
+
+    @abstractmethod
+    def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
+        """Average ``tensors`` across ranks through ``comm``, compressed, in place.
+
+        Args:
+            tensors: this rank's gradients of one group (views into a DDP bucket).
+            names: their parameter names, the keys of per-tensor state.
+            comm: the collectives of this rank's group.
+        """
+
+    @abstractmethod
+    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+        """Bytes this rank hands to each collective for one tensor of ``shape``.
+
+        Computable without running the compressor; what :meth:`reduce` sends for a group
+        is the sum over its tensors.
+        """
+
+    def wire_bytes(self, shape: Shape, world_size: int) -> int:
+        """Total bytes this rank hands to collectives for one tensor of ``shape``."""
+        return sum(self.wire_messages(shape, world_size).values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state (error feedback, warm starts, random state); tensors only."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise CompressorError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec.label()})"
+
+
+class Registry:
+    """Compressors by name. Rejects duplicates; unknown names get the known ones listed."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type[Compressor]] = {}
+
+    def register(self, cls: type[Compressor]) -> type[Compressor]:
+        if cls.name in self._classes:
+            raise ValueError(f"a compressor named {cls.name!r} is already registered")
+        self._classes[cls.name] = cls
+        return cls
+
+    def names(self) -> list[str]:
+        return list(self._classes)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._classes)
+
+    def get(self, name: str) -> type[Compressor]:
+        if not isinstance(name, str) or name not in self._classes:
+            raise CompressorError(
+                f"unknown compressor {name!r}; registered: {', '.join(self._classes)}"
+            )
+        return self._classes[name]
+
+    def validate(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Check ``params`` for compressor ``name``; return them with defaults filled."""
+        cls = self.get(name)
+        unknown = sorted(set(params) - set(cls.params))
+        if unknown:
+            allowed = ", ".join(cls.params) or "none"
+            raise CompressorError(
+                f"compressor {name!r} has no parameter {unknown[0]!r}; its parameters are: "
+                f"{allowed}"
+            )
+        out = {k: p.default for k, p in cls.params.items()}
+        for key, value in params.items():
+            out[key] = cls.params[key].check(name, key, value)
+        return out
+
+    def create(self, name: str, **params: Any) -> Compressor:
+        return self.get(name)(**params)
+
+
+REGISTRY = Registry()
+register = REGISTRY.register
+
+
+def create(name: str, **params: Any) -> Compressor:
+    """Create a registered compressor, e.g. ``create("powersgd", rank=4)``.
+
+    Raises:
+        CompressorError: unknown name or bad parameter; the message lists what is allowed.
+    """
+    return REGISTRY.create(name, **params)
+
+
+def names() -> list[str]:
+    """Names of the registered compressors, in registration order."""
+    return REGISTRY.names()
+
+
+def numel(shape: Shape) -> int:
+    """Number of elements of a tensor of ``shape``."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor holding ``tensors`` in order: a view when they already lie
+    back to back in memory (a whole DDP bucket usually does), else a copy."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].view(-1)
+    first = tensors[0]
+    if all(t.is_contiguous() for t in tensors):
+        size = first.element_size()
+        expected = first.data_ptr()
+        adjacent = True
+        for t in tensors:
+            if t.data_ptr() != expected or t.dtype != first.dtype:
+                adjacent = False
+                break
+            expected += t.numel() * size
+        if adjacent:
+            total = sum(t.numel() for t in tensors)
+            return first.as_strided((total,), (1,), first.storage_offset())
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``tensors``, unless it is already a view of them."""
+    if tensors and flat.data_ptr() == tensors[0].data_ptr():
+        return  # flatten() returned a view: the result is already in place
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

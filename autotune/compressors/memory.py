@@ -1,0 +1,47 @@
+"""Error feedback: what compression dropped this step is added back next step.
+
+``compensate`` returns gradient + residual; after encoding, ``update`` stores
+compensated - decoded(local). Memory is per parameter name, so it survives DDP's bucket
+rebuild and a policy that moves a parameter between buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from autotune.errors import CompressorError
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Residual memory keyed by parameter name; switched off with ``enabled=False``."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` + this name's residual, as a new fp32 tensor (grad is untouched)."""
+        out = grad.detach().to(torch.float32, copy=True)
+        if self.enabled:
+            residual = self.residuals.get(name)
+            if residual is not None and residual.shape == out.shape:
+                out += residual.to(out.device)
+        return out
+
+    def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Remember what this rank's compression dropped."""
+        if self.enabled:
+            self.residuals[name] = compensated - decoded
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.residuals.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise CompressorError(f"error-feedback memory of {key!r} must be a tensor")
+        self.residuals = {k: v.detach().clone() for k, v in state.items()}

@@ -1,0 +1,329 @@
+"""Local launcher: run one function on N ranks, as torchrun would, and collect results.
+
+Each rank is a fresh ``python -m autotune.launch`` process that gets torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``...),
+initialises the default process group from it, calls the target function and writes its
+JSON-serialisable return value to a file. So the code a rank runs is exactly the code it
+would run under ``torchrun``, and a rank can be placed in another network namespace by
+prefixing its command (see :mod:`autotune.emulate`).
+
+A rank that fails ends the job: the others are given a short grace period (their next
+collective fails within milliseconds when a peer's connection resets) and then killed,
+and :class:`~autotune.errors.RankFailure` names the rank and the last line it printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from autotune.errors import RankFailure, WorkloadError
+
+__all__ = ["RankSpec", "Placement", "launch", "local_placement", "resolve_target"]
+
+# Seconds a collective may block before gloo gives up; a hung peer is noticed then.
+DEFAULT_PG_TIMEOUT_S = 120.0
+# Seconds the surviving ranks get to notice a failed peer before they are killed.
+FAILURE_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where and how one rank runs."""
+
+    host: int  # index of the (emulated) host the rank runs on
+    local_rank: int  # index among the ranks of that host
+    prefix: tuple[str, ...] = ()  # command prefix, e.g. ("ip", "netns", "exec", "h0")
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment
+
+
+class Placement(Protocol):
+    """Something that places ranks: :func:`local_placement` or an emulated cluster."""
+
+    master_addr: str
+
+    def ranks(self) -> Sequence[RankSpec]: ...
+
+
+@dataclass(frozen=True)
+class _LocalPlacement:
+    nprocs: int
+    master_addr: str = "127.0.0.1"
+
+    def ranks(self) -> Sequence[RankSpec]:
+        return [RankSpec(host=0, local_rank=r) for r in range(self.nprocs)]
+
+
+def local_placement(nprocs: int) -> Placement:
+    """All ranks on this machine, talking over loopback."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    return _LocalPlacement(nprocs)
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """Import ``package.module:function``."""
+    module_name, sep, func_name = target.partition(":")
+    if not sep or not module_name or not func_name:
+        raise WorkloadError(f"expected 'module:function', got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(f"cannot import module {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in func_name.split("."):
+        if not hasattr(obj, part):
+            raise WorkloadError(f"module {module_name!r} has no attribute {func_name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise WorkloadError(f"{target!r} is not callable")
+    return obj
+
+
+def _target_name(target: str | Callable[..., Any]) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None)
+    if module in (None, "__main__"):
+        raise ValueError(
+            "launch needs a function importable by name (module:function); "
+            f"{target!r} lives in __main__"
+        )
+    return f"{module}:{target.__qualname__}"
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((addr if addr != "127.0.0.1" else "", 0))
+        return int(sock.getsockname()[1])
+
+
+class _Rank:
+    """One child process and the thread that copies its output to a log."""
+
+    def __init__(self, rank: int, cmd: list[str], env: dict[str, str], log: Path, echo: bool):
+        self.rank = rank
+        self.log = log
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # so that killing it takes its children too
+        )
+        self._thread = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, echo: bool) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log, "wb") as out:
+            for line in iter(self.proc.stdout.readline, b""):
+                out.write(line)
+                out.flush()
+                if echo:
+                    sys.stderr.write(f"[rank {self.rank}] {line.decode(errors='replace')}")
+                    sys.stderr.flush()
+
+    def kill(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def last_line(self) -> str:
+        self._thread.join(timeout=2.0)
+        try:
+            lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()]
+        except OSError:
+            return ""
+        lines = [ln for ln in lines if ln and not ln.startswith(("warnings.warn", "W1", "I1"))]
+        for ln in reversed(lines):  # prefer the exception line of a traceback
+            if ln.split(":", 1)[0].endswith(("Error", "Exception", "Failure", "Interrupt")):
+                return ln
+        return lines[-1] if lines else ""
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def launch(
+    target: str | Callable[..., Any],
+    nprocs: int | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    placement: Placement | None = None,
+    timeout: float = 600.0,
+    backend: str = "gloo",
+    pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    echo: bool = False,
+) -> list[Any]:
+    """Run ``target(**kwargs)`` on every rank of a fresh process group.
+
+    Args:
+        target: ``"package.module:function"`` or a module-level function.
+        nprocs: number of local ranks (ignored when ``placement`` is given).
+        kwargs: JSON-serialisable keyword arguments for the target.
+        placement: where ranks run; default: ``nprocs`` ranks on this machine.
+        timeout: seconds the whole job may take before every rank is killed.
+        backend: ``"gloo"`` or ``"nccl"``.
+        pg_timeout: seconds a collective may wait for a peer before it fails.
+        env: extra environment for every rank.
+        echo: copy every rank's output to stderr, prefixed with its rank.
+
+    Returns:
+        The target's return value on each rank, in rank order.
+
+    Raises:
+        RankFailure: a rank failed, was killed, or the job ran past ``timeout``.
+    """
+    if placement is None:
+        if nprocs is None:
+            raise ValueError("launch needs nprocs or placement")
+        placement = local_placement(nprocs)
+    specs = list(placement.ranks())
+    world = len(specs)
+    per_host: dict[int, int] = {}
+    for spec in specs:
+        per_host[spec.host] = per_host.get(spec.host, 0) + 1
+    port = _free_port(placement.master_addr)
+    name = _target_name(target)
+
+    with tempfile.TemporaryDirectory(prefix="autotune-launch-") as tmp:
+        tmpdir = Path(tmp)
+        (tmpdir / "kwargs.json").write_text(json.dumps(dict(kwargs or {})))
+        ranks: list[_Rank] = []
+        base_env = dict(os.environ)
+        base_env.update(env or {})
+        # Ranks must import the same code as this process, wherever it was imported from.
+        paths = [p for p in sys.path if p]
+        if "" in sys.path or not sys.path:
+            paths.insert(0, os.getcwd())
+        base_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        try:
+            for rank, spec in enumerate(specs):
+                rank_env = dict(base_env)
+                rank_env.update(
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world),
+                    LOCAL_RANK=str(spec.local_rank),
+                    LOCAL_WORLD_SIZE=str(per_host[spec.host]),
+                    GROUP_RANK=str(spec.host),
+                    MASTER_ADDR=placement.master_addr,
+                    MASTER_PORT=str(port),
+                    AUTOTUNE_BACKEND=backend,
+                    AUTOTUNE_PG_TIMEOUT=str(pg_timeout),
+                    PYTHONUNBUFFERED="1",
+                )
+                rank_env.update(spec.env)
+                cmd = [*spec.prefix, sys.executable, "-m", "autotune.launch",
+                       "--target", name, "--workdir", str(tmpdir)]
+                ranks.append(_Rank(rank, cmd, rank_env, tmpdir / f"rank{rank}.log", echo))
+            _supervise(ranks, timeout)
+        finally:
+            for r in ranks:
+                r.kill(signal.SIGKILL)
+            for r in ranks:
+                with contextlib.suppress(Exception):
+                    r.proc.wait(timeout=5)
+        results = []
+        for rank in range(world):
+            path = tmpdir / f"result{rank}.json"
+            if not path.exists():
+                raise RankFailure(f"rank {rank} finished without writing a result")
+            results.append(json.loads(path.read_text())["value"])
+        return results
+
+
+def _supervise(ranks: list[_Rank], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    failed: tuple[_Rank, int] | None = None
+    grace_end = float("inf")
+    while True:
+        codes = [r.proc.poll() for r in ranks]
+        if all(c is not None for c in codes):
+            break
+        if failed is None:
+            for r, c in zip(ranks, codes):
+                if c is not None and c != 0:
+                    failed = (r, c)
+                    grace_end = time.monotonic() + FAILURE_GRACE_S
+                    break
+        now = time.monotonic()
+        if now > grace_end:
+            break
+        if now > deadline:
+            running = [r.rank for r, c in zip(ranks, codes) if c is None]
+            for r in ranks:
+                r.kill(signal.SIGKILL)
+            raise RankFailure(
+                f"job ran past its {timeout:.0f} s timeout; ranks {running} were still "
+                "running and have been killed"
+            )
+        time.sleep(0.02)
+    if failed is None:
+        for r in ranks:
+            code = r.proc.poll()
+            if code not in (0, None):
+                failed = (r, code)
+                break
+    if failed is not None:
+        r, code = failed
+        detail = r.last_line()
+        raise RankFailure(
+            f"rank {r.rank} {_describe_exit(code)}" + (f": {detail}" if detail else "")
+        )
+
+
+def init_from_env() -> None:
+    """Initialise the default process group from torchrun's environment, if not yet."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = os.environ.get("AUTOTUNE_BACKEND", "gloo")
+    timeout = float(os.environ.get("AUTOTUNE_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _worker_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autotune.launch")
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--workdir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    fn = resolve_target(args.target)
+    kwargs = json.loads((args.workdir / "kwargs.json").read_text())
+    init_from_env()
+    value = fn(**kwargs)
+    rank = dist.get_rank()
+    path = args.workdir / f"result{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"value": value}))
+    tmp.replace(path)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())
