@@ -13,6 +13,7 @@ scale per block, and every rank dequantises and averages the W payloads.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -40,7 +41,9 @@ class Int8(Compressor):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._gen: torch.Generator | None = None
+        # reductions done per parameter name: with the seed and rank it fixes the
+        # rounding noise, so a resumed or regrouped run draws exactly the same noise
+        self.steps: dict[str, int] = {}
 
     def _blocks(self, n: int) -> int:
         return math.ceil(n / self.config["block"])
@@ -49,22 +52,23 @@ class Int8(Compressor):
         n = numel(shape)
         return {"allgather": n + 4 * self._blocks(n)}
 
-    def _generator(self, rank: int, device: torch.device) -> torch.Generator:
-        if self._gen is None or self._gen.device != device:
-            self._gen = torch.Generator(device=device).manual_seed(self.config["seed"] + 7919 * rank)
-        return self._gen
+    def _generator(self, name: str, rank: int, device: torch.device) -> torch.Generator:
+        step = self.steps.get(name, 0)
+        self.steps[name] = step + 1
+        key = f"{self.config['seed']}/{rank}/{step}/{name}".encode()
+        return torch.Generator(device=device).manual_seed(zlib.crc32(key) * 65_537 + step)
 
     def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
         block = self.config["block"]
-        gen = self._generator(comm.rank, tensors[0].device)
         codes, scales, layout = [], [], []
-        for t in tensors:
+        for t, name in zip(tensors, names):
             x = t.detach().reshape(-1).float()
             n = x.numel()
             nb = self._blocks(n)
             padded = torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block)
             scale = padded.abs().amax(dim=1, keepdim=True)
             level = padded.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny) * LEVELS
+            gen = self._generator(name, comm.rank, level.device)
             noise = torch.rand(level.shape, generator=gen, device=level.device)
             q = torch.floor(level + noise).clamp_(max=LEVELS) * torch.sign(padded)
             codes.append(q.view(-1)[:n].to(torch.int8))
@@ -74,7 +78,7 @@ class Int8(Compressor):
         payload = torch.cat([torch.cat(codes), torch.cat(scales).view(torch.int8)])
         gathered = comm.all_gather(payload)  # (W, n_codes + 4 * blocks)
         all_codes = gathered[:, :n_codes].float()
-        all_scales = gathered[:, n_codes:].contiguous().view(torch.float32)
+        all_scales = gathered[:, n_codes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
         c_off = s_off = 0
         for t, (n, nb) in zip(tensors, layout):
             c = torch.nn.functional.pad(all_codes[:, c_off : c_off + n], (0, nb * block - n))
@@ -85,12 +89,10 @@ class Int8(Compressor):
             s_off += nb
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self._gen is None else {"rng": self._gen.get_state()}
+        return {"steps": dict(self.steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"rng"}
+        unknown = set(state) - {"steps"}
         if unknown:
             raise CompressorError(f"unexpected keys in int8 state: {sorted(unknown)}")
-        if "rng" in state:
-            self._gen = torch.Generator().manual_seed(0)
-            self._gen.set_state(state["rng"])
+        self.steps = {str(k): int(v) for k, v in state.get("steps", {}).items()}

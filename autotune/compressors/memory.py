@@ -28,8 +28,9 @@ class ErrorFeedback:
         out = grad.detach().to(torch.float32, copy=True)
         if self.enabled:
             residual = self.residuals.get(name)
-            if residual is not None and residual.shape == out.shape:
-                out += residual.to(out.device)
+            # compressors may store the residual flat or as a matrix: match by size
+            if residual is not None and residual.numel() == out.numel():
+                out += residual.to(out.device).view_as(out)
         return out
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:

@@ -66,7 +66,7 @@ class Sign(Compressor):
         n_packed = sum(p.numel() for p in packed)
         payload = torch.cat([torch.cat(packed), torch.cat(scales).view(torch.uint8)])
         gathered = comm.all_gather(payload)  # (W, n_packed + 4 * len(tensors))
-        all_scales = gathered[:, n_packed:].contiguous().view(torch.float32)  # (W, tensors)
+        all_scales = gathered[:, n_packed:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # (W, tensors)
         offset = 0
         for i, (t, n) in enumerate(zip(tensors, sizes)):
             nbytes = (n + 7) // 8

@@ -60,7 +60,7 @@ class TopK(Compressor):
         kept = sum(v.numel() for v in values)
         payload = torch.cat([torch.cat(values).view(torch.int32), torch.cat(indices)])
         gathered = comm.all_gather(payload)  # (W, 2 * kept)
-        vals = gathered[:, :kept].contiguous().view(torch.float32).reshape(-1)
+        vals = gathered[:, :kept].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(-1)
         idxs = gathered[:, kept:].reshape(-1).long()
         total = torch.zeros(offset, dtype=torch.float32, device=payload.device)
         total.index_add_(0, idxs, vals)

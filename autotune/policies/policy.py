@@ -1,0 +1,492 @@
+"""The policy: which compressor each parameter's gradient uses, and the bucket size.
+
+A policy is a plain JSON file that a person can read, diff and edit::
+
+    {"version": 1, "bucket_cap_mb": 25, "default": {"compressor": "none"},
+     "layers": {"fc1.weight": {"compressor": "powersgd", "rank": 4}},
+     "meta": {"predicted_step_s": 0.25}}
+
+Keys of ``layers`` are parameter names (as ``model.named_parameters()`` yields them),
+not bucket indices, because DDP renumbers its buckets after the first iteration.
+Parameters without an entry use ``default``. ``meta`` is free-form, JSON-only
+information (predictions, baselines, the profile it was tuned on); it never changes how
+gradients are communicated, so it is left out of :attr:`Policy.id`.
+
+Policies are validated where they are built, never deep inside a backward pass, and are
+only ever read from JSON: a policy may come from someone else, so it is never unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+
+from autotune.compressors.base import REGISTRY, CompressorSpec
+from autotune.errors import CompressorError, PolicyError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["POLICY_VERSION", "Policy", "PolicyCheck", "load_policy"]
+
+POLICY_VERSION = 1
+"""Version of the policy JSON format this code reads and writes."""
+
+MAX_BUCKET_CAP_MB = 1024.0
+"""Largest bucket cap accepted: beyond it DDP fuses nothing more and memory only grows."""
+
+_KEYS = ("version", "bucket_cap_mb", "default", "layers", "meta")
+_SHOWN_UNKNOWN = 5  # unknown names listed in an error; the rest are only counted
+
+
+@dataclass(frozen=True)
+class PolicyCheck:
+    """How a policy's layer names match a model's trainable parameters.
+
+    Attributes:
+        unknown: layer names of the policy that are no trainable parameter of the model,
+            in policy order. Usually a policy tuned for another model, or a model wrapped
+            differently (DDP prefixes every name with ``module.``).
+        uncovered: trainable parameters with no layer entry, in model order; they use
+            the policy's default. Normal for hand-written policies.
+    """
+
+    unknown: tuple[str, ...] = ()
+    uncovered: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """True when every layer name of the policy is a trainable parameter."""
+        return not self.unknown
+
+    def raise_if_unknown(self) -> None:
+        """Raise if the policy names parameters the model does not train.
+
+        Raises:
+            PolicyError: listing up to five unknown names and how many there are.
+        """
+        if self.ok:
+            return
+        shown = ", ".join(repr(name) for name in self.unknown[:_SHOWN_UNKNOWN])
+        more = len(self.unknown) - _SHOWN_UNKNOWN
+        if more > 0:
+            shown += f" and {more} more"
+        raise PolicyError(
+            f"policy: layers: {len(self.unknown)} name(s) match no trainable parameter of "
+            f"the model: {shown}"
+        )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A communication policy: bucket size and a compressor per parameter.
+
+    Build one with :meth:`from_dict`, :func:`load_policy` or :meth:`uniform`; the
+    constructor validates too, so an invalid policy object cannot exist. Mappings are
+    read-only, and ``meta`` is a read-only snapshot of the JSON it was given.
+
+    Attributes:
+        bucket_cap_mb: DDP's bucket size in MiB. Larger buckets mean fewer, larger
+            collectives (less latency, less overlap with backward). DDP's default is 25;
+            on fast links try 50-100, on slow links with compression 10-25.
+        default: the compressor of every parameter without a layer entry.
+        layers: compressor per parameter name; names missing here use ``default``.
+        meta: free-form JSON (predictions, baselines, provenance); ignored by ``id``.
+    """
+
+    bucket_cap_mb: float = 25.0
+    default: CompressorSpec = CompressorSpec("none")
+    layers: Mapping[str, CompressorSpec] = field(default_factory=lambda: MappingProxyType({}))
+    meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        # from_dict has already checked its input with a better prefix (the file name);
+        # checking again here keeps objects built directly just as valid.
+        where = "policy"
+        object.__setattr__(self, "bucket_cap_mb", _bucket_cap(self.bucket_cap_mb, where))
+        if not isinstance(self.default, CompressorSpec):
+            _fail(where, "default", f"expected a CompressorSpec, got {self.default!r}")
+        _validate_spec(self.default, where, "default")
+        if not isinstance(self.layers, Mapping):
+            _fail(where, "layers", f"expected a mapping, got {type(self.layers).__name__}")
+        layers: dict[str, CompressorSpec] = {}
+        for name, spec in self.layers.items():
+            _layer_name(name, where)
+            path = f"layers[{name!r}]"
+            if not isinstance(spec, CompressorSpec):
+                _fail(where, path, f"expected a CompressorSpec, got {spec!r}")
+            _validate_spec(spec, where, path)
+            layers[name] = spec
+        object.__setattr__(self, "layers", MappingProxyType(layers))
+        object.__setattr__(self, "meta", _freeze_meta(self.meta, where))
+
+    # Mappings are unhashable, so the generated __hash__ would fail; hash what __eq__
+    # compares instead (the layer order does not matter to either).
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.bucket_cap_mb,
+                self.default,
+                frozenset(self.layers.items()),
+                json.dumps(_thaw(self.meta), sort_keys=True),
+            )
+        )
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "policy") -> Policy:
+        """Build a policy from parsed JSON, strictly.
+
+        Args:
+            data: the parsed JSON object.
+            source: what the data came from (usually a file name); prefixes every message.
+
+        Returns:
+            The validated policy.
+
+        Raises:
+            PolicyError: naming the offending field, e.g.
+                ``policy.json: version: expected 1, got 2``.
+        """
+        if not isinstance(data, Mapping):
+            raise PolicyError(
+                f"{source}: expected a JSON object at the top level, got {_json_type(data)}"
+            )
+        unknown = [key for key in data if key not in _KEYS]
+        if unknown:
+            raise PolicyError(
+                f"{source}: unknown key {unknown[0]!r}; the keys of a policy are: "
+                f"{', '.join(_KEYS)}"
+            )
+        if "version" not in data:
+            _fail(source, "version", f"missing; expected {POLICY_VERSION}")
+        version = data["version"]
+        # bool is an int in Python; `true` is no version number
+        if isinstance(version, bool) or version != POLICY_VERSION:
+            _fail(source, "version", f"expected {POLICY_VERSION}, got {version!r}")
+
+        bucket_cap_mb = _bucket_cap(data.get("bucket_cap_mb", 25.0), source)
+        default = _parse_spec(data.get("default", {"compressor": "none"}), source, "default")
+
+        raw_layers = data.get("layers", {})
+        if not isinstance(raw_layers, Mapping):
+            _fail(source, "layers", f"expected an object, got {_json_type(raw_layers)}")
+        layers: dict[str, CompressorSpec] = {}
+        for name, raw in raw_layers.items():
+            _layer_name(name, source)
+            layers[name] = _parse_spec(raw, source, f"layers[{name!r}]")
+
+        raw_meta = data.get("meta", {})
+        if not isinstance(raw_meta, Mapping):
+            _fail(source, "meta", f"expected an object, got {_json_type(raw_meta)}")
+        meta = _freeze_meta(raw_meta, source)
+        return cls(bucket_cap_mb=bucket_cap_mb, default=default, layers=layers, meta=meta)
+
+    @classmethod
+    def uniform(cls, compressor: str, bucket_cap_mb: float = 25.0, **params: Any) -> Policy:
+        """A policy in which every parameter uses one compressor.
+
+        Args:
+            compressor: a registered compressor name, e.g. ``"powersgd"``.
+            bucket_cap_mb: DDP's bucket size in MiB.
+            **params: the compressor's parameters, e.g. ``rank=4``.
+
+        Raises:
+            PolicyError: unknown compressor, bad parameter or bad bucket cap.
+        """
+        return cls(bucket_cap_mb=bucket_cap_mb, default=CompressorSpec.of(compressor, **params))
+
+    def with_meta(self, **updates: Any) -> Policy:
+        """A copy of this policy with ``meta`` updated by ``updates``.
+
+        Raises:
+            PolicyError: a value is not JSON-serialisable.
+        """
+        return dataclasses.replace(self, meta={**_thaw(self.meta), **updates})
+
+    # ------------------------------------------------------------------ reading
+
+    def spec_for(self, param_name: str) -> CompressorSpec:
+        """The compressor spec of ``param_name``: its layer entry, else the default.
+
+        The spec is returned as written; group parameters by ``spec.canonical()`` so
+        that ``powersgd`` and ``powersgd(rank=1)`` share one compressor.
+        """
+        return self.layers.get(param_name, self.default)
+
+    def compressors(self) -> frozenset[CompressorSpec]:
+        """The distinct compressors in use (default and layers), canonicalised."""
+        return frozenset(
+            spec.canonical() for spec in (self.default, *self.layers.values())
+        )
+
+    def check(self, model: torch.nn.Module) -> PolicyCheck:
+        """Match the layer names against ``model``'s trainable parameters.
+
+        Args:
+            model: the module whose ``named_parameters()`` the policy addresses (the
+                module DDP wraps, not the DDP object, whose names start ``module.``).
+
+        Returns:
+            The unknown layer names and the uncovered parameters;
+            call :meth:`PolicyCheck.raise_if_unknown` to insist on a match.
+        """
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        known = set(trainable)
+        return PolicyCheck(
+            unknown=tuple(name for name in self.layers if name not in known),
+            uncovered=tuple(name for name in trainable if name not in self.layers),
+        )
+
+    @property
+    def id(self) -> str:
+        """12 hex digits identifying how this policy communicates.
+
+        Computed over the canonical JSON without ``meta``, with every compressor's
+        defaults filled in and layer entries equal to the default dropped: two policies
+        that compress alike share an id, whatever their meta or spelling.
+        """
+        default = self.default.canonical()
+        layers = {
+            name: canon.to_dict()
+            for name, spec in self.layers.items()
+            if (canon := spec.canonical()) != default
+        }
+        body = {
+            "version": POLICY_VERSION,
+            "bucket_cap_mb": float(self.bucket_cap_mb),
+            "default": default.to_dict(),
+            "layers": layers,
+        }
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+    # ------------------------------------------------------------------ writing
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy as plain JSON types, keys in file order; a fresh, mutable copy."""
+        return {
+            "version": POLICY_VERSION,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "default": self.default.to_dict(),
+            "layers": {name: spec.to_dict() for name, spec in self.layers.items()},
+            "meta": _thaw(self.meta),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The policy as JSON text (keys: version, bucket_cap_mb, default, layers, meta)."""
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the policy to ``path`` atomically.
+
+        The text is written to a temporary file in the same directory, flushed to disk,
+        and renamed over ``path``: a reader sees the old file or the new one, never half
+        of one, and a failure leaves the old file untouched and no temporary behind.
+
+        Raises:
+            PolicyError: the file cannot be written; the message names the path.
+        """
+        target = Path(path)
+        # Serialise before touching the file system, so that a bad policy costs nothing.
+        text = self.to_json() + "\n"
+        directory = target.parent
+        try:
+            fd, tmp_name = tempfile.mkstemp(
+                prefix=f".{target.name}.", suffix=".tmp", dir=directory
+            )
+        except OSError as exc:
+            raise PolicyError(f"{target}: cannot write policy: {_os_reason(exc)}") from exc
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                if hasattr(os, "fchmod"):
+                    # mkstemp creates 0600; keep the mode of the file we replace, or
+                    # make a new one readable like any other file.
+                    mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
+                    os.fchmod(fh.fileno(), mode)
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp_name, target)
+        except BaseException as exc:
+            # also on KeyboardInterrupt: never leave a temporary file behind
+            try:
+                os.unlink(tmp_name)
+            except FileNotFoundError:
+                pass
+            if isinstance(exc, OSError):
+                raise PolicyError(f"{target}: cannot write policy: {_os_reason(exc)}") from exc
+            raise
+        _fsync_directory(directory)
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """Read and validate a policy JSON file.
+
+    Args:
+        path: the policy file.
+
+    Returns:
+        The validated policy.
+
+    Raises:
+        PolicyError: the file is missing or unreadable, is not valid JSON (the message
+            gives line and column), or is not a valid policy (the message names the field).
+    """
+    source = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise PolicyError(f"{source}: cannot read policy: {_os_reason(exc)}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(
+            f"{source}: not UTF-8 text (byte {exc.start}): is this a policy JSON file?"
+        ) from exc
+    try:
+        data = json.loads(
+            text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as exc:
+        raise PolicyError(
+            f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        ) from exc
+    except ValueError as exc:  # raised by the two hooks above
+        raise PolicyError(f"{source}: {exc}") from exc
+    return Policy.from_dict(data, source=source)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _fail(source: str, path: str, problem: str) -> NoReturn:
+    raise PolicyError(f"{source}: {path}: {problem}")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages about parsed files."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _bucket_cap(value: Any, source: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = math.isfinite(v) and 0.0 < v <= MAX_BUCKET_CAP_MB
+    if not ok:
+        _fail(
+            source,
+            "bucket_cap_mb",
+            f"expected a number in the range (0, {MAX_BUCKET_CAP_MB:g}], got {value!r}",
+        )
+    return float(value)
+
+
+def _layer_name(name: Any, source: str) -> None:
+    if not isinstance(name, str) or not name:
+        _fail(source, "layers", f"parameter names must be non-empty strings, got {name!r}")
+
+
+def _parse_spec(raw: Any, source: str, path: str) -> CompressorSpec:
+    try:
+        return CompressorSpec.from_dict(raw)
+    except CompressorError as exc:
+        _fail(source, path, str(exc))
+
+
+def _validate_spec(spec: CompressorSpec, source: str, path: str) -> None:
+    try:
+        REGISTRY.validate(spec.name, spec.kwargs)
+    except CompressorError as exc:
+        _fail(source, path, str(exc))
+
+
+def _freeze_meta(meta: Any, source: str) -> Mapping[str, Any]:
+    """A deep, read-only snapshot of ``meta``, or PolicyError if it is not pure JSON."""
+    if not isinstance(meta, Mapping):
+        _fail(source, "meta", f"expected a mapping, got {type(meta).__name__}")
+    try:
+        # The round trip proves the value can be saved (strict JSON: no NaN) and copies
+        # it, so that the caller's later changes to its dict cannot reach the policy.
+        plain = json.loads(json.dumps(_thaw(meta), allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as exc:
+        _fail(
+            source,
+            "meta",
+            "must hold only JSON values (objects, arrays, strings, finite numbers, "
+            f"booleans, null): {exc}",
+        )
+    return _freeze(plain)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    """Plain dicts and lists again, for JSON and for callers that want to edit."""
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of duplicate keys silently; in a policy a repeated layer name
+    # is almost always an editing mistake, so refuse it.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in a JSON object")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON; numbers in a policy must be finite")
+
+
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable. Best effort: some file systems refuse to fsync a
+    directory, and the file is complete and atomic without it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

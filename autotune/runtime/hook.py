@@ -1,0 +1,312 @@
+"""The one DDP communication hook and its state.
+
+DDP allows one hook per model, so a single dispatcher applies the whole policy: for each
+bucket it groups the parameters by compressor (policy keys are parameter names, which
+survive DDP's bucket rebuild) and reduces each group with one collective per stage.
+
+* Buckets whose parameters all use ``none`` go straight to an async allreduce on DDP's
+  own process group, exactly as DDP's default hook does: the policy that does nothing
+  costs nothing.
+* Other buckets are handed to the rank's :class:`~autotune.runtime.channel.Channel`,
+  which runs them in bucket order on a process group of its own (see channel.py for why).
+* Nothing is compressed before step ``compress_from_step`` (default 2): DDP rebuilds its
+  buckets after the first iteration, and PowerSGD's state must start after that.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from autotune.compressors import Compressor, CompressorSpec, GroupComm
+from autotune.errors import AutotuneError
+
+if TYPE_CHECKING:
+    from autotune.policies import Policy
+
+__all__ = ["AutotuneState", "BucketRecord", "dispatch_hook", "STATE_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+@dataclass
+class BucketRecord:
+    """What one bucket's reduction did in one step."""
+
+    step: int
+    index: int  # DDP's bucket index (0 holds the last layers)
+    numel: int  # gradient elements in the bucket
+    compressed: bool  # False for the direct allreduce path
+    bytes_by_collective: dict[str, int] = field(default_factory=dict)
+    bytes_by_compressor: dict[str, int] = field(default_factory=dict)  # by spec label
+    start: float = 0.0  # perf_counter at hook entry
+    seconds: float = 0.0  # hook entry to completion
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_collective.values())
+
+
+@dataclass(frozen=True)
+class _Group:
+    compressor: Compressor
+    label: str
+    names: tuple[str, ...]
+    slices: tuple[tuple[int, int, torch.Size], ...]  # (offset, numel, shape) in the bucket
+
+
+@dataclass(frozen=True)
+class _Plan:
+    groups: tuple[_Group, ...]
+    direct: bool  # every parameter uses `none`: plain async allreduce
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
+class AutotuneState:
+    """State of the dispatcher hook: the policy, per-compressor state and statistics.
+
+    Args:
+        policy: the policy to apply; swap it between steps with :meth:`set_policy`.
+        module: the wrapped model, whose parameter names key the policy.
+        process_group: DDP's process group (default: the world).
+        compress_from_step: first step that may compress; must be >= 2 because DDP
+            rebuilds its buckets after the first iteration.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        module: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        compress_from_step: int = 2,
+    ) -> None:
+        if compress_from_step < 2:
+            raise AutotuneError(
+                f"Expect compress_from_step >= 2, got {compress_from_step}, because DDP "
+                "rebuilds its buckets after the first iteration and compressor state "
+                "must start after that."
+            )
+        # hyperparameters
+        self.policy = policy
+        self.compress_from_step = compress_from_step
+
+        # internal state
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self.compressors: dict[CompressorSpec, Compressor] = {}
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+        self.step = 0  # advances when the last bucket of a backward pass is handed over
+        self._comm: GroupComm | None = None  # on a group of its own, made on first use
+        self._side_group = self._make_side_group(process_group)
+        from autotune.runtime.channel import Channel
+
+        self._channel = Channel(name=f"autotune-comm-{self.rank}")
+
+        # statistics
+        self._lock = threading.Lock()
+        self._records: dict[int, list[BucketRecord]] = {}  # this step's and the last one's
+        self.bytes_by_compressor: Counter[str] = Counter()  # since construction
+
+    @staticmethod
+    def _make_side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        # Collective on all ranks, like DDP's construction; same timeout as DDP's group.
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        return dist.new_group(ranks=ranks, timeout=_group_timeout(group))
+
+    # ----------------------------------------------------------------- policy
+    def set_policy(self, policy: Policy) -> None:
+        """Apply ``policy`` from the next bucket on; call between steps only.
+
+        Compressors whose spec stays in use keep their state (error feedback, warm
+        starts); the others are dropped with their state.
+        """
+        self.policy = policy
+        self._plans.clear()
+        in_use = {s.canonical() for s in policy.compressors()}
+        self.compressors = {s: c for s, c in self.compressors.items() if s in in_use}
+
+    def compressor(self, spec: CompressorSpec) -> Compressor:
+        canonical = spec.canonical()
+        comp = self.compressors.get(canonical)
+        if comp is None:
+            from autotune.compressors import create
+
+            comp = create(canonical.name, **canonical.kwargs)
+            self.compressors[canonical] = comp
+        return comp
+
+    def _plan(self, bucket: dist.GradBucket) -> _Plan:
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        by_spec: dict[CompressorSpec, list[tuple[str, int, int, torch.Size]]] = {}
+        offset = 0
+        for p in params:
+            name = self._names.get(id(p))
+            if name is None:
+                raise AutotuneError("DDP handed the hook a parameter the wrapped model lacks")
+            spec = self.policy.spec_for(name).canonical()
+            by_spec.setdefault(spec, []).append((name, offset, p.numel(), p.shape))
+            offset += p.numel()
+        groups = tuple(
+            _Group(
+                compressor=self.compressor(spec),
+                label=spec.label(),
+                names=tuple(m[0] for m in members),
+                slices=tuple((m[1], m[2], m[3]) for m in members),
+            )
+            for spec, members in by_spec.items()
+        )
+        direct = all(g.compressor.name == "none" for g in groups)
+        plan = _Plan(groups=groups, direct=direct)
+        self._plans[key] = plan
+        return plan
+
+    # ------------------------------------------------------------------- hook
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+        step = self.step
+        if bucket.is_last():
+            self.step += 1
+        buffer = bucket.buffer()
+        if step < self.compress_from_step:
+            return self._allreduce(buffer, bucket.index(), step, start, None)
+        plan = self._plan(bucket)
+        if plan.direct:
+            return self._allreduce(buffer, bucket.index(), step, start, plan.groups[0].label)
+        record = BucketRecord(step, bucket.index(), buffer.numel(), True, start=start)
+
+        def job() -> torch.Tensor:
+            comm = self._get_comm()
+            for group in plan.groups:
+                before = Counter(comm.sent)
+                tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
+                group.compressor.reduce(tensors, group.names, comm)
+                sent = comm.sent - before
+                for kind, nbytes in sent.items():
+                    record.bytes_by_collective[kind] = record.bytes_by_collective.get(kind, 0) + nbytes
+                record.bytes_by_compressor[group.label] = (
+                    record.bytes_by_compressor.get(group.label, 0) + sum(sent.values())
+                )
+            self._finish(record)
+            return buffer
+
+        return self._channel.submit(job, buffer.device)
+
+    def _get_comm(self) -> GroupComm:
+        if self._comm is None:
+            self._comm = GroupComm(self._side_group)
+        return self._comm
+
+    def _allreduce(
+        self, buffer: torch.Tensor, index: int, step: int, start: float, label: str | None
+    ) -> torch.futures.Future[torch.Tensor]:
+        nbytes = buffer.numel() * buffer.element_size()
+        record = BucketRecord(
+            step, index, buffer.numel(), False,
+            bytes_by_collective={"allreduce": nbytes},
+            bytes_by_compressor={label or "none": nbytes},
+            start=start,
+        )
+        buffer.div_(self.world_size)
+        fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()  # type: ignore[union-attr]
+
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            self._finish(record)
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def _finish(self, record: BucketRecord) -> None:
+        record.seconds = time.perf_counter() - record.start
+        with self._lock:
+            steps = self._records.setdefault(record.step, [])
+            steps.append(record)
+            for old in [s for s in self._records if s < record.step - 1]:
+                del self._records[old]
+            for label, nbytes in record.bytes_by_compressor.items():
+                self.bytes_by_compressor[label] += nbytes
+
+    def last_step_records(self) -> list[BucketRecord]:
+        """The buckets of the latest step, by index. Complete when read between steps:
+        DDP waits for every bucket before ``backward()`` returns."""
+        with self._lock:
+            if not self._records:
+                return []
+            return sorted(self._records[max(self._records)], key=lambda r: r.index)
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter and every compressor's state; tensors, numbers and strings only,
+        so ``torch.load(..., weights_only=True)`` reads it back."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "policy_id": self.policy.id,
+            "compressors": {
+                json.dumps(spec.to_dict(), sort_keys=True): comp.state_dict()
+                for spec, comp in self.compressors.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (on the same rank of a job of the same size)."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise AutotuneError(
+                f"expected an autotune comm state of version {STATE_VERSION}, got {got!r}"
+            )
+        if state.get("policy_id") != self.policy.id:
+            logger.warning(
+                "loading comm state saved under policy %s into policy %s; compressors the "
+                "new policy does not use are dropped",
+                state.get("policy_id"), self.policy.id,
+            )
+        self.step = int(state["step"])
+        self._plans.clear()
+        in_use = {s.canonical() for s in self.policy.compressors()}
+        for key, comp_state in state.get("compressors", {}).items():
+            spec = CompressorSpec.from_dict(json.loads(key)).canonical()
+            if spec in in_use:
+                self.compressor(spec).load_state_dict(comp_state)
+
+    def close(self) -> None:
+        """Stop the communication thread."""
+        self._channel.close()
+
+
+def dispatch_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """The DDP communication hook: ``ddp.register_comm_hook(state, dispatch_hook)``."""
+    return state(bucket)
+
+
+# DDP compares the hook's annotations with the real classes; postponed (string)
+# annotations would fail that check, so they are set here as objects.
+dispatch_hook.__annotations__ = {
+    "state": AutotuneState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}

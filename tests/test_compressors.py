@@ -1,0 +1,172 @@
+"""Every compressor goes through the same contract: adding one to COMPRESSORS is enough."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from autotune import compressors
+from autotune.compressors import CompressorSpec, LocalComm
+from autotune.errors import CompressorError
+
+# (name, params, relative error allowed on one round trip of a random gradient, in a
+# world of one rank, without error feedback having caught up yet)
+COMPRESSORS = [
+    ("none", {}, 0.0),
+    ("fp16", {}, 1e-3),
+    ("bf16", {}, 1e-2),
+    ("powersgd", {"rank": 4}, 1.0),
+    ("topk", {"ratio": 0.1}, 1.0),
+    ("int8", {}, 0.05),
+    ("sign", {}, 1.0),
+]
+IDS = [c[0] for c in COMPRESSORS]
+SHAPES = [(64, 32, 3, 3), (64,), (10, 300), (1000,), (3, 3), (257, 129)]
+
+
+def _grads(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def _round_trip(comp: compressors.Compressor, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], LocalComm]:
+    out = [g.clone() for g in grads]
+    comm = LocalComm()
+    comp.reduce(out, [f"p{i}" for i in range(len(out))], comm)
+    return out, comm
+
+
+def _rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = torch.cat([(x - y).reshape(-1) for x, y in zip(a, b)]).norm()
+    return float(num / torch.cat([y.reshape(-1) for y in b]).norm())
+
+
+def test_registry_lists_every_method() -> None:
+    assert set(IDS) <= set(compressors.names())
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_round_trip_keeps_shape_dtype_and_bounds_error(name: str, params: dict, tol: float) -> None:
+    comp = compressors.create(name, **params)
+    grads = _grads()
+    out, _ = _round_trip(comp, grads)
+    for o, g in zip(out, grads):
+        assert o.shape == g.shape and o.dtype == g.dtype
+        assert torch.isfinite(o).all()
+    err = _rel_err(out, grads)
+    assert err <= tol + 1e-12, f"{name}: relative error {err:.4f} > {tol}"
+    if not comp.lossy:
+        assert err == 0.0
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_wire_bytes_match_what_reduce_hands_to_collectives(name: str, params: dict, tol: float) -> None:
+    comp = compressors.create(name, **params)
+    _, comm = _round_trip(comp, _grads())
+    expected = sum(comp.wire_bytes(s, world_size=1) for s in SHAPES)
+    assert sum(comm.sent.values()) == expected
+    kinds = set(comp.collectives)
+    assert set(comm.sent) <= kinds
+    for shape in SHAPES:
+        assert set(comp.wire_messages(shape, 8)) <= kinds
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_state_save_and_load_continues_identically(name: str, params: dict, tol: float) -> None:
+    comp = compressors.create(name, **params)
+    for step in range(3):
+        _round_trip(comp, _grads(step))
+    buf = io.BytesIO()
+    torch.save(comp.state_dict(), buf)
+    buf.seek(0)
+    restored = compressors.create(name, **params)
+    restored.load_state_dict(torch.load(buf, weights_only=True))  # no pickle of objects
+    for step in range(3, 6):
+        a, _ = _round_trip(comp, _grads(step))
+        b, _ = _round_trip(restored, _grads(step))
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), f"{name}: step {step} differs after restore"
+
+
+def _average_sent_error(comp: compressors.Compressor, steps: int) -> float:
+    grads = _grads(7)
+    sent = [torch.zeros_like(g) for g in grads]
+    for _ in range(steps):
+        out, _ = _round_trip(comp, grads)
+        for s, o in zip(sent, out):
+            s += o
+    return _rel_err([s / steps for s in sent], grads)
+
+
+@pytest.mark.parametrize("name,params", [("powersgd", {"rank": 4}), ("topk", {"ratio": 0.1}), ("sign", {})])
+def test_error_feedback_recovers_the_signal_over_steps(name: str, params: dict) -> None:
+    """With error feedback, what is sent over many steps adds up to the gradients sent
+    in: only the residual still in memory is missing. Without it, the bias stays."""
+    with_ef = _average_sent_error(compressors.create(name, **params), 100)
+    without = _average_sent_error(compressors.create(name, error_feedback=False, **params), 100)
+    assert with_ef < 0.2, f"{name}: error-compensated average off by {with_ef:.3f}"
+    assert without > 2 * with_ef
+
+
+def test_int8_is_unbiased() -> None:
+    comp = compressors.create("int8", block=64)
+    g = [torch.randn(4096, generator=torch.Generator().manual_seed(3))]
+    mean = torch.zeros(4096)
+    n = 200
+    for _ in range(n):
+        out, _ = _round_trip(comp, g)
+        mean += out[0] / n
+    assert _rel_err([mean], g) < 0.02
+
+
+def test_powersgd_falls_back_to_allreduce_for_vectors_and_small_matrices() -> None:
+    comp = compressors.create("powersgd", rank=4)
+    assert comp.wire_messages((1000,), 2) == {"allreduce": 4000}
+    assert comp.wire_messages((3, 3), 2) == {"allreduce": 36}  # too small to gain
+    assert comp.wire_messages((512, 512), 2) == {"allreduce": (512 + 512) * 4 * 4}
+    assert comp.wire_messages((64, 32, 3, 3), 2) == {"allreduce": (64 + 288) * 4 * 4}
+
+
+def test_topk_and_sign_wire_sizes() -> None:
+    assert compressors.create("topk", ratio=0.01).wire_bytes((100, 100), 4) == 8 * 100
+    assert compressors.create("topk", ratio=0.1).wire_bytes((30,), 4) == 8 * 3
+    assert compressors.create("sign").wire_bytes((1000,), 4) == 125 + 4
+    assert compressors.create("int8", block=100).wire_bytes((1000,), 4) == 1000 + 40
+
+
+@pytest.mark.parametrize(
+    "name,params,needle",
+    [
+        ("nope", {}, "unknown compressor 'nope'; registered: none, fp16"),
+        ("topk", {"ratio": 1.5}, "The 'ratio' parameter of topk must be a float in the range (0, 1]. Got 1.5"),
+        ("topk", {"ratio": 0.0}, "Got 0.0 instead"),
+        ("powersgd", {"rank": 0}, "The 'rank' parameter of powersgd must be an int"),
+        ("powersgd", {"rank": 2.5}, "Got 2.5 instead"),
+        ("powersgd", {"rank": True}, "Got True instead"),
+        ("topk", {"k": 3}, "compressor 'topk' has no parameter 'k'; its parameters are: ratio"),
+        ("none", {"rank": 1}, "its parameters are: none"),
+        ("int8", {"block": math.nan}, "Got nan instead"),
+    ],
+)
+def test_bad_names_and_parameters_are_named(name: str, params: dict, needle: str) -> None:
+    with pytest.raises(CompressorError) as info:
+        compressors.create(name, **params)
+    assert needle in str(info.value)
+
+
+def test_spec_canonical_fills_defaults_and_round_trips() -> None:
+    spec = CompressorSpec.from_dict({"compressor": "powersgd", "rank": 4})
+    assert spec.to_dict() == {"compressor": "powersgd", "rank": 4}
+    assert spec.canonical() == CompressorSpec.from_dict(
+        {"compressor": "powersgd", "rank": 4, "error_feedback": True, "warm_start": True,
+         "min_compression_rate": 2.0, "seed": 0}
+    ).canonical()
+    assert spec.canonical() != CompressorSpec.of("powersgd").canonical()
+
+
+def test_registry_rejects_duplicate_names() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        compressors.register(type(compressors.create("none")))
