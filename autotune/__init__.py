@@ -1,15 +1,16 @@
 """autotune: an adaptive communication auto-tuner for PyTorch data-parallel training.
 
-The public API is what ``__all__`` lists. Importing ``autotune`` loads only the training
-path (compressors, policies, runtime); the probes, cost models and search load when
-first used.
+The public API is what ``__all__`` lists. Names load on first use, so ``import autotune``
+(and ``autotune --help``) stay cheap; the training path (compressors, policies, runtime)
+never imports optuna or scikit-learn.
 """
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from autotune import compressors
 from autotune.errors import (
     AutotuneError,
     ClusterError,
@@ -19,15 +20,30 @@ from autotune.errors import (
     RankFailure,
     WorkloadError,
 )
-from autotune.launch import launch
-from autotune.policies import Policy, load_policy
-from autotune.runtime import AutotuneDDP, wrap
-from autotune.workloads import Workload
+
+if TYPE_CHECKING:
+    from autotune import compressors, workloads
+    from autotune.launch import launch
+    from autotune.policies import Policy, load_policy
+    from autotune.runtime import AutotuneDDP, wrap
+    from autotune.workloads import Workload
 
 try:
     __version__ = version("ddp-autotune")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
+
+# public name -> module that defines it
+_LAZY = {
+    "AutotuneDDP": "autotune.runtime",
+    "wrap": "autotune.runtime",
+    "Policy": "autotune.policies",
+    "load_policy": "autotune.policies",
+    "Workload": "autotune.workloads",
+    "launch": "autotune.launch",
+    "compressors": "autotune.compressors",
+    "workloads": "autotune.workloads",
+}
 
 __all__ = [
     "AutotuneDDP",
@@ -44,5 +60,20 @@ __all__ = [
     "compressors",
     "launch",
     "load_policy",
+    "workloads",
     "wrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'autotune' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

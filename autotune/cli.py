@@ -19,19 +19,20 @@ import argparse
 import importlib.metadata
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, RankFailure
 from autotune.policies import Policy, load_policy
 
 if TYPE_CHECKING:
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS", "add_show_parser", "cmd_show"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -155,10 +156,55 @@ def _params(params: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
+# ---------------------------------------------------------------------------- demo
+
+
+def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    """Declare ``autotune demo``."""
+    parser = _add_command(
+        subparsers,
+        "demo",
+        "train a built-in workload on local ranks under plain DDP and a mixed policy",
+        "Train the built-in workload on local gloo ranks, interleaving plain DDP and a\n"
+        "policy that compresses large tensors, and print each compressor's bytes on the\n"
+        "wire and the step times. Writes the policy to OUT_DIR/policy.json.",
+    )
+    parser.add_argument("--workload", default="cnn",
+                        help="built-in name, path/to/file.py:function or package.module:function")
+    parser.add_argument("--nproc-per-node", type=_positive_int, default=2,
+                        help="local ranks to run")
+    parser.add_argument("--rounds", type=_positive_int, default=4,
+                        help="interleaved blocks per set-up")
+    parser.add_argument("--block", type=_positive_int, default=5, help="steps per block")
+    parser.add_argument("--out-dir", type=Path, default=Path("."),
+                        help="where policy.json is written")
+    parser.set_defaults(func=cmd_demo)
+    return parser
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from autotune.demo import run_demo
+
+    run_demo(_console(), args.workload, args.nproc_per_node, args.rounds, args.block,
+             args.out_dir)
+    return EXIT_OK
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------------------- main
 
 SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
     add_show_parser,
+    add_demo_parser,
 ]
 """Parser builders of the subcommands, in the order ``--help`` lists them."""
 
@@ -205,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = int(args.func(args))
         sys.stdout.flush()  # surface a closed pipe here, where it is handled
         return status
+    except RankFailure as exc:  # the job failed; the input was fine
+        _error(str(exc))
+        return EXIT_FAILURE
     except (UsageError, AutotuneError) as exc:
         _error(str(exc))
         return EXIT_BAD_INPUT

@@ -120,10 +120,14 @@ class CompressorSpec:
         return CompressorSpec.of(self.name, **REGISTRY.validate(self.name, self.kwargs))
 
     def label(self) -> str:
-        """Short human name, e.g. ``powersgd(rank=4)``."""
-        if not self.params:
+        """Short human name naming only non-default parameters, e.g. ``powersgd(rank=4)``;
+        equal for specs that compress alike."""
+        defaults = {k: p.default for k, p in REGISTRY.get(self.name).params.items()}
+        shown = [(k, v) for k, v in self.params if defaults.get(k, object()) != v]
+        if not shown:
             return self.name
-        return f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in self.params) + ")"
+        return f"{self.name}(" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in shown) + ")"
 
 
 class Compressor(ABC):

@@ -1,0 +1,166 @@
+"""Measure training-step times of several communication set-ups in one job, interleaved.
+
+CPU speed here drifts by up to 1.5x for seconds at a time, so set-ups compared against
+each other run in alternating blocks (A B A B ...) inside the same process group, and
+results are medians over the blocks. Each set-up trains its own copy of the model from
+the same initial weights. A step is timed from before ``zero_grad`` to after the
+optimizer step, on every rank; the step time is the slowest rank's.
+
+This module's :func:`rank_measure` runs on each rank (through :func:`autotune.launch`
+or torchrun) and returns JSON-friendly results.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from autotune.errors import AutotuneError
+
+__all__ = ["Setup", "rank_measure", "summarize"]
+
+# What a set-up is: plain DDP, a policy applied by autotune's hook, the compute-only floor.
+KINDS = ("ddp", "policy", "floor")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One communication set-up to measure."""
+
+    name: str  # label in tables and JSON (e.g. "ddp", "policy", "powersgd1")
+    kind: str = "policy"  # one of KINDS
+    policy: dict[str, Any] | None = None  # policy JSON object, for kind "policy"
+    bucket_cap_mb: float = 25.0  # for kind "ddp"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise AutotuneError(f"unknown set-up kind {self.kind!r}; expected one of {KINDS}")
+        if self.kind == "policy" and self.policy is None:
+            raise AutotuneError(f"set-up {self.name!r} of kind 'policy' needs a policy")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Setup:
+        return cls(**data)
+
+
+@dataclass
+class _Runner:
+    setup: Setup
+    model: torch.nn.Module  # what forward is called on (DDP or the bare module)
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    times: list[float] = field(default_factory=list)
+
+
+def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
+    module = copy.deepcopy(base)
+    if setup.kind == "floor":
+        model: torch.nn.Module = module  # no communication at all: the compute floor
+    elif setup.kind == "ddp":
+        model = DistributedDataParallel(module, bucket_cap_mb=setup.bucket_cap_mb)
+    else:
+        from autotune.policies import Policy
+        from autotune.runtime import wrap
+
+        model = wrap(module, Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}"))
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+    return _Runner(setup, model, module, optimizer)
+
+
+def _run_step(runner: _Runner, make_batch: Callable[[int], Any], loss_fn: Callable[..., Any]) -> float:
+    inputs, targets = make_batch(runner.step)
+    start = time.perf_counter()
+    runner.optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(runner.model(inputs), targets)
+    loss.backward()
+    runner.optimizer.step()
+    elapsed = time.perf_counter() - start
+    runner.step += 1
+    return elapsed
+
+
+def rank_measure(
+    workload: str,
+    setups: Sequence[dict[str, Any]],
+    rounds: int = 5,
+    block: int = 5,
+    warmup: int = 3,
+    lr: float = 0.01,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Run every set-up for ``rounds`` interleaved blocks of ``block`` steps.
+
+    Args:
+        workload: a workload spec (built-in name, ``file.py:fn`` or ``module:fn``).
+        setups: :class:`Setup` fields as dicts (JSON travels to the ranks).
+        rounds: blocks per set-up; more rounds average out CPU-speed drift.
+        block: consecutive steps per block.
+        warmup: untimed steps per set-up before the first block (DDP rebuilds its
+            buckets after step 1, and compression starts at step 2).
+        lr: SGD learning rate.
+        threads: torch intra-op threads per rank (default: cores / local ranks).
+
+    Returns:
+        On every rank: per set-up, the slowest rank's time of each measured step, and
+        the bytes each compressor handed to collectives in the last step.
+    """
+    from autotune.workloads import resolve_workload
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local))
+    work = resolve_workload(workload)
+    runners = [_build(Setup.from_dict(s), work.model, lr) for s in setups]
+    for runner in runners:
+        for _ in range(warmup):
+            _run_step(runner, work.make_batch, work.loss_fn)
+    for _ in range(rounds):
+        for runner in runners:
+            dist.barrier()  # every set-up's block starts together on all ranks
+            for _ in range(block):
+                runner.times.append(_run_step(runner, work.make_batch, work.loss_fn))
+    results = []
+    for runner in runners:
+        times = torch.tensor(runner.times, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        entry: dict[str, Any] = {**asdict(runner.setup), "step_s": times.tolist()}
+        state = getattr(runner.model, "comm_state", None)
+        if state is not None:
+            by_comp: dict[str, int] = {}
+            for rec in state.last_step_records():
+                for label, nbytes in rec.bytes_by_compressor.items():
+                    by_comp[label] = by_comp.get(label, 0) + nbytes
+            entry["bytes_by_compressor"] = by_comp
+            entry["policy_id"] = state.policy.id
+        elif runner.setup.kind == "ddp":
+            nbytes = sum(p.numel() * p.element_size() for p in runner.module.parameters()
+                         if p.requires_grad)
+            entry["bytes_by_compressor"] = {"none": nbytes}
+        results.append(entry)
+    return {"world_size": dist.get_world_size(), "workload": work.name, "results": results}
+
+
+def summarize(result: dict[str, Any], baseline: str | None = None) -> list[dict[str, Any]]:
+    """Median step time per set-up, its ratio to ``baseline``, and its bytes per step."""
+    rows = []
+    medians = {r["name"]: statistics.median(r["step_s"]) for r in result["results"]}
+    for r in result["results"]:
+        row = {
+            "name": r["name"],
+            "step_s_median": medians[r["name"]],
+            "step_s": r["step_s"],
+            "bytes_per_step": sum(r.get("bytes_by_compressor", {}).values()),
+            "bytes_by_compressor": r.get("bytes_by_compressor", {}),
+        }
+        if baseline is not None and baseline in medians:
+            row["ratio"] = medians[r["name"]] / medians[baseline]
+        rows.append(row)
+    return rows
