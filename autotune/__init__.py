@@ -23,7 +23,6 @@ from autotune.errors import (
 
 if TYPE_CHECKING:
     from autotune import compressors, workloads
-    from autotune.launch import launch
     from autotune.policies import Policy, load_policy
     from autotune.runtime import AutotuneDDP, wrap
     from autotune.workloads import Workload
@@ -40,7 +39,6 @@ _LAZY = {
     "Policy": "autotune.policies",
     "load_policy": "autotune.policies",
     "Workload": "autotune.workloads",
-    "launch": "autotune.launch",
     "compressors": "autotune.compressors",
     "workloads": "autotune.workloads",
 }
@@ -58,7 +56,6 @@ __all__ = [
     "WorkloadError",
     "__version__",
     "compressors",
-    "launch",
     "load_policy",
     "workloads",
     "wrap",

@@ -205,7 +205,9 @@ def launch(
     per_host: dict[int, int] = {}
     for spec in specs:
         per_host[spec.host] = per_host.get(spec.host, 0) + 1
-    port = _free_port(placement.master_addr)
+    # A placement whose master lives in another network namespace picks the port there.
+    free_port = getattr(placement, "free_port", None)
+    port = free_port() if callable(free_port) else _free_port(placement.master_addr)
     name = _target_name(target)
 
     with tempfile.TemporaryDirectory(prefix="autotune-launch-") as tmp:
