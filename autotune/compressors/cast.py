@@ -11,7 +11,15 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from autotune.compressors.base import Collective, Compressor, Shape, flatten, numel, register, unflatten_into
+from autotune.compressors.base import (
+    Collective,
+    Compressor,
+    Shape,
+    flatten,
+    numel,
+    register,
+    unflatten_into,
+)
 from autotune.compressors.comm import Comm
 
 __all__ = ["HalfPrecision", "FP16", "BF16"]

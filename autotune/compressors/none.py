@@ -6,7 +6,15 @@ from typing import Sequence
 
 import torch
 
-from autotune.compressors.base import Collective, Compressor, Shape, flatten, numel, register, unflatten_into
+from autotune.compressors.base import (
+    Collective,
+    Compressor,
+    Shape,
+    flatten,
+    numel,
+    register,
+    unflatten_into,
+)
 from autotune.compressors.comm import Comm
 
 __all__ = ["NoCompression"]

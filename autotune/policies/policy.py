@@ -23,14 +23,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
 from autotune.compressors.base import REGISTRY, CompressorSpec
 from autotune.errors import CompressorError, PolicyError
+from autotune.jsonio import read_json, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -287,46 +286,13 @@ class Policy:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the policy to ``path`` atomically.
-
-        The text is written to a temporary file in the same directory, flushed to disk,
-        and renamed over ``path``: a reader sees the old file or the new one, never half
-        of one, and a failure leaves the old file untouched and no temporary behind.
+        """Write the policy to ``path`` atomically (see :func:`autotune.jsonio.write_atomic`).
 
         Raises:
             PolicyError: the file cannot be written; the message names the path.
         """
-        target = Path(path)
         # Serialise before touching the file system, so that a bad policy costs nothing.
-        text = self.to_json() + "\n"
-        directory = target.parent
-        try:
-            fd, tmp_name = tempfile.mkstemp(
-                prefix=f".{target.name}.", suffix=".tmp", dir=directory
-            )
-        except OSError as exc:
-            raise PolicyError(f"{target}: cannot write policy: {_os_reason(exc)}") from exc
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                if hasattr(os, "fchmod"):
-                    # mkstemp creates 0600; keep the mode of the file we replace, or
-                    # make a new one readable like any other file.
-                    mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
-                    os.fchmod(fh.fileno(), mode)
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp_name, target)
-        except BaseException as exc:
-            # also on KeyboardInterrupt: never leave a temporary file behind
-            try:
-                os.unlink(tmp_name)
-            except FileNotFoundError:
-                pass
-            if isinstance(exc, OSError):
-                raise PolicyError(f"{target}: cannot write policy: {_os_reason(exc)}") from exc
-            raise
-        _fsync_directory(directory)
+        write_atomic(path, self.to_json() + "\n", PolicyError, "policy")
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:
@@ -343,26 +309,7 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
             gives line and column), or is not a valid policy (the message names the field).
     """
     source = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise PolicyError(f"{source}: cannot read policy: {_os_reason(exc)}") from exc
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PolicyError(
-            f"{source}: not UTF-8 text (byte {exc.start}): is this a policy JSON file?"
-        ) from exc
-    try:
-        data = json.loads(
-            text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant
-        )
-    except json.JSONDecodeError as exc:
-        raise PolicyError(
-            f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-        ) from exc
-    except ValueError as exc:  # raised by the two hooks above
-        raise PolicyError(f"{source}: {exc}") from exc
+    data = read_json(path, PolicyError, "policy")
     return Policy.from_dict(data, source=source)
 
 
@@ -456,37 +403,3 @@ def _thaw(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_thaw(v) for v in value]
     return value
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json keeps the last of duplicate keys silently; in a policy a repeated layer name
-    # is almost always an editing mistake, so refuse it.
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r} in a JSON object")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON; numbers in a policy must be finite")
-
-
-def _os_reason(exc: OSError) -> str:
-    return exc.strerror or str(exc)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable. Best effort: some file systems refuse to fsync a
-    directory, and the file is complete and atomic without it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
