@@ -13,11 +13,12 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from types import MappingProxyType
+from typing import Any, Mapping, NoReturn
 
 from autotune.errors import AutotuneError
 
-__all__ = ["read_json", "write_atomic", "dumps"]
+__all__ = ["read_json", "write_atomic", "dumps", "freeze", "thaw", "json_type"]
 
 
 def dumps(data: Any, indent: int | None = 2) -> str:
@@ -85,6 +86,41 @@ def write_atomic(path: str | os.PathLike[str], text: str, error: type[AutotuneEr
             raise error(f"{target}: cannot write {what}: {_os_reason(exc)}") from exc
         raise
     _fsync_directory(directory)
+
+
+def freeze(value: Any) -> Any:
+    """A deep read-only copy of parsed JSON: objects become mappingproxies, arrays tuples."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Plain dicts and lists again, for JSON and for callers that want to edit."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages about parsed files."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

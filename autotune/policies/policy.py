@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
 from autotune.compressors.base import REGISTRY, CompressorSpec
 from autotune.errors import CompressorError, PolicyError
-from autotune.jsonio import read_json, write_atomic
+from autotune.jsonio import freeze, json_type, read_json, thaw, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +135,7 @@ class Policy:
                 self.bucket_cap_mb,
                 self.default,
                 frozenset(self.layers.items()),
-                json.dumps(_thaw(self.meta), sort_keys=True),
+                json.dumps(thaw(self.meta), sort_keys=True),
             )
         )
 
@@ -158,7 +158,7 @@ class Policy:
         """
         if not isinstance(data, Mapping):
             raise PolicyError(
-                f"{source}: expected a JSON object at the top level, got {_json_type(data)}"
+                f"{source}: expected a JSON object at the top level, got {json_type(data)}"
             )
         unknown = [key for key in data if key not in _KEYS]
         if unknown:
@@ -178,7 +178,7 @@ class Policy:
 
         raw_layers = data.get("layers", {})
         if not isinstance(raw_layers, Mapping):
-            _fail(source, "layers", f"expected an object, got {_json_type(raw_layers)}")
+            _fail(source, "layers", f"expected an object, got {json_type(raw_layers)}")
         layers: dict[str, CompressorSpec] = {}
         for name, raw in raw_layers.items():
             _layer_name(name, source)
@@ -186,7 +186,7 @@ class Policy:
 
         raw_meta = data.get("meta", {})
         if not isinstance(raw_meta, Mapping):
-            _fail(source, "meta", f"expected an object, got {_json_type(raw_meta)}")
+            _fail(source, "meta", f"expected an object, got {json_type(raw_meta)}")
         meta = _freeze_meta(raw_meta, source)
         return cls(bucket_cap_mb=bucket_cap_mb, default=default, layers=layers, meta=meta)
 
@@ -210,7 +210,7 @@ class Policy:
         Raises:
             PolicyError: a value is not JSON-serialisable.
         """
-        return dataclasses.replace(self, meta={**_thaw(self.meta), **updates})
+        return dataclasses.replace(self, meta={**thaw(self.meta), **updates})
 
     # ------------------------------------------------------------------ reading
 
@@ -278,7 +278,7 @@ class Policy:
             "bucket_cap_mb": self.bucket_cap_mb,
             "default": self.default.to_dict(),
             "layers": {name: spec.to_dict() for name, spec in self.layers.items()},
-            "meta": _thaw(self.meta),
+            "meta": thaw(self.meta),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -318,23 +318,6 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
 
 def _fail(source: str, path: str, problem: str) -> NoReturn:
     raise PolicyError(f"{source}: {path}: {problem}")
-
-
-def _json_type(value: Any) -> str:
-    """The JSON name of a value's type, for messages about parsed files."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "an object"
-    return type(value).__name__
 
 
 def _bucket_cap(value: Any, source: str) -> float:
@@ -377,7 +360,7 @@ def _freeze_meta(meta: Any, source: str) -> Mapping[str, Any]:
     try:
         # The round trip proves the value can be saved (strict JSON: no NaN) and copies
         # it, so that the caller's later changes to its dict cannot reach the policy.
-        plain = json.loads(json.dumps(_thaw(meta), allow_nan=False))
+        plain = json.loads(json.dumps(thaw(meta), allow_nan=False))
     except (TypeError, ValueError, RecursionError) as exc:
         _fail(
             source,
@@ -385,21 +368,4 @@ def _freeze_meta(meta: Any, source: str) -> Mapping[str, Any]:
             "must hold only JSON values (objects, arrays, strings, finite numbers, "
             f"booleans, null): {exc}",
         )
-    return _freeze(plain)
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, dict):
-        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    """Plain dicts and lists again, for JSON and for callers that want to edit."""
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
+    return freeze(plain)
