@@ -33,7 +33,16 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from autotune.errors import RankFailure, WorkloadError
 
-__all__ = ["RankSpec", "Placement", "launch", "local_placement", "resolve_target"]
+__all__ = [
+    "RankSpec",
+    "Placement",
+    "launch",
+    "local_placement",
+    "resolve_target",
+    "init_from_env",
+    "set_rank_threads",
+    "under_torchrun",
+]
 
 # Seconds a collective may block before gloo gives up; a hung peer is noticed then.
 DEFAULT_PG_TIMEOUT_S = 120.0
@@ -115,8 +124,12 @@ def _free_port(addr: str) -> int:
 class _Rank:
     """One child process and the thread that copies its output to a log."""
 
-    def __init__(self, rank: int, cmd: list[str], env: dict[str, str], log: Path, echo: bool):
+    def __init__(
+        self, rank: int, cmd: list[str], env: dict[str, str], log: Path, echo: bool,
+        on_line: Callable[[int, str], bool] | None,
+    ):
         self.rank = rank
+        self._on_line = on_line
         self.log = log
         self.proc = subprocess.Popen(
             cmd,
@@ -132,6 +145,10 @@ class _Rank:
         assert self.proc.stdout is not None
         with open(self.log, "wb") as out:
             for line in iter(self.proc.stdout.readline, b""):
+                if self._on_line is not None and self._on_line(
+                    self.rank, line.decode(errors="replace").rstrip("\n")
+                ):
+                    continue  # consumed (e.g. a progress report), not logged
                 out.write(line)
                 out.flush()
                 if echo:
@@ -176,6 +193,7 @@ def launch(
     pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
     echo: bool = False,
+    on_line: Callable[[int, str], bool] | None = None,
 ) -> list[Any]:
     """Run ``target(**kwargs)`` on every rank of a fresh process group.
 
@@ -189,6 +207,8 @@ def launch(
         pg_timeout: seconds a collective may wait for a peer before it fails.
         env: extra environment for every rank.
         echo: copy every rank's output to stderr, prefixed with its rank.
+        on_line: called with (rank, line) for each line a rank prints; returning True
+            consumes the line (it is neither logged nor echoed).
 
     Returns:
         The target's return value on each rank, in rank order.
@@ -239,7 +259,9 @@ def launch(
                 rank_env.update(spec.env)
                 cmd = [*spec.prefix, sys.executable, "-m", "autotune.launch",
                        "--target", name, "--workdir", str(tmpdir)]
-                ranks.append(_Rank(rank, cmd, rank_env, tmpdir / f"rank{rank}.log", echo))
+                ranks.append(
+                    _Rank(rank, cmd, rank_env, tmpdir / f"rank{rank}.log", echo, on_line)
+                )
             _supervise(ranks, timeout)
         finally:
             for r in ranks:
@@ -294,6 +316,25 @@ def _supervise(ranks: list[_Rank], timeout: float) -> None:
         raise RankFailure(
             f"rank {r.rank} {_describe_exit(code)}" + (f": {detail}" if detail else "")
         )
+
+
+def set_rank_threads(threads: int | None = None) -> int:
+    """Give this rank its share of the machine's cores (cores / local ranks), as the
+    training job would run; returns the number of intra-op threads set."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    n = threads or max(1, (os.cpu_count() or 1) // max(local, 1))
+    torch.set_num_threads(n)
+    return n
+
+
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (or anything setting its environment)
+    rather than by this module's launcher."""
+    return "AUTOTUNE_BACKEND" not in os.environ and all(
+        k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    )
 
 
 def init_from_env() -> None:

@@ -13,7 +13,6 @@ or torchrun) and returns JSON-friendly results.
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autotune.errors import AutotuneError
+from autotune.launch import set_rank_threads
 
 __all__ = ["Setup", "rank_measure", "summarize"]
 
@@ -115,8 +115,7 @@ def rank_measure(
     """
     from autotune.workloads import resolve_workload
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local))
+    set_rank_threads(threads)
     work = resolve_workload(workload)
     runners = [_build(Setup.from_dict(s), work.model, lr) for s in setups]
     for runner in runners:

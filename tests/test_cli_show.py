@@ -78,7 +78,7 @@ def test_show_in_a_fresh_process_exits_0(good: Path) -> None:
     "content, message",
     [
         pytest.param('{"version": 1,\n', "malformed JSON at line 2, column 1", id="malformed"),
-        pytest.param(None, "cannot read policy: No such file or directory", id="missing"),
+        pytest.param(None, "cannot read policy or profile: No such file or directory", id="missing"),
         pytest.param(
             '{"version": 1, "layers": {"fc1.weight": {"compressor": "gzip"}}}',
             "layers['fc1.weight']: unknown compressor 'gzip'; registered: none,",
@@ -121,7 +121,7 @@ def test_bad_policy_in_a_fresh_process_gives_no_traceback(tmp_path: Path) -> Non
     "argv, message",
     [
         ([], "the following arguments are required: COMMAND"),
-        (["show"], "the following arguments are required: POLICY.json"),
+        (["show"], "the following arguments are required: FILE.json"),
         (["show", "p.json", "--bogus"], "unrecognized arguments: --bogus"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
@@ -152,9 +152,9 @@ def test_version_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 def test_keyboard_interrupt_exits_130(
     good: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def interrupted(path: object) -> None:
+    def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("autotune.cli.load_policy", interrupted)
+    monkeypatch.setattr("autotune.cli.show.read_json", interrupted)
     assert main(["show", str(good)]) == 130
     assert "Traceback" not in capsys.readouterr().err

@@ -1,0 +1,133 @@
+"""The ``autotune`` command line.
+
+Each subcommand lives in a module of this package with two functions:
+``add_<name>_parser(subparsers)`` declares its arguments and sets ``func=cmd_<name>``;
+``cmd_<name>(args) -> int`` runs it and returns the exit status. To add one, write the
+module and append its ``add_<name>_parser`` to :data:`SUBCOMMANDS`.
+
+Exit status: 0 success, 1 failure (e.g. a rank of the job failed), 2 bad input (any other
+:class:`~autotune.errors.AutotuneError`, a bad path, a usage error), 130 interrupted.
+Errors are reported as exactly one line, ``autotune: error: <message>``, on stderr, never
+as a traceback. Heavy imports (torch, optuna, scikit-learn) happen inside ``cmd_<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+from typing import Callable, Sequence
+
+from autotune.cli._base import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    PROG,
+    Formatter,
+    Parser,
+    Subparsers,
+    UsageError,
+)
+from autotune.cli.demo import add_demo_parser
+from autotune.cli.profile import add_profile_parser
+from autotune.cli.show import add_show_parser
+from autotune.errors import AutotuneError, RankFailure
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+
+def _version() -> str:
+    """The package version: ``autotune.__version__`` if set, else the installed one."""
+    import autotune
+
+    version = getattr(autotune, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return importlib.metadata.version("ddp-autotune")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# ---------------------------------------------------------------------------- main
+
+SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
+    add_profile_parser,
+    add_show_parser,
+    add_demo_parser,
+]
+"""Parser builders of the subcommands, in the order ``--help`` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autotune`` parser with every subcommand of :data:`SUBCOMMANDS`."""
+    parser = Parser(
+        prog=PROG,
+        description="Adaptive gradient-communication auto-tuner for PyTorch DDP.",
+        formatter_class=Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=Parser
+    )
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def _error(message: str) -> None:
+    # Plain print, not rich: rich would wrap a long message over several lines, and
+    # scripts rely on exactly one line.
+    one_line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"{PROG}: error: {one_line}", file=sys.stderr)
+
+
+def _os_error_message(exc: OSError) -> str:
+    reason = exc.strerror or str(exc)
+    return f"{exc.filename}: {reason}" if exc.filename is not None else reason
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``autotune`` command line.
+
+    Args:
+        argv: the arguments after the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        The exit status, for ``sys.exit(main())``.
+    """
+    try:
+        args = build_parser().parse_args(argv)
+        status = int(args.func(args))
+        sys.stdout.flush()  # surface a closed pipe here, where it is handled
+        return status
+    except RankFailure as exc:  # the job failed; the input was fine
+        _error(str(exc))
+        return EXIT_FAILURE
+    except (UsageError, AutotuneError) as exc:
+        _error(str(exc))
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        # The reader went away (`autotune show p.json | head`): not an input error. Point
+        # stdout at /dev/null so that the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILURE
+    except OSError as exc:
+        _error(_os_error_message(exc))
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:
+        # --help and --version exit through argparse; hand their status back instead
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or EXIT_OK
+        print(exc.code, file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

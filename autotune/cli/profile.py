@@ -1,0 +1,120 @@
+"""``autotune profile``: probe the network, compute and codecs of a job; write profile.json."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+from autotune.cli._base import (
+    EXIT_OK,
+    Subparsers,
+    add_command,
+    console,
+    positive_float,
+    positive_int,
+)
+from autotune.errors import ClusterError, ProfileError
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--nproc-per-node``, ``--hosts`` and ``--link``, shared by commands that launch."""
+    parser.add_argument("--nproc-per-node", type=positive_int, default=2,
+                        help="ranks per host (as torchrun's flag)")
+    parser.add_argument("--hosts", type=positive_int, default=1,
+                        help="emulated hosts (network namespaces, needs root); ranks = "
+                             "hosts x nproc-per-node")
+    parser.add_argument("--link", default=None, metavar="RATE[:DELAY]",
+                        help="shape each emulated host's NIC, e.g. 1gbit or 100mbit "
+                             "(needs --hosts >= 2)")
+
+
+def add_profile_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = add_command(
+        subparsers,
+        "profile",
+        "measure the cluster and the model: network, compute and codec probes",
+        "Launch local ranks (or run under torchrun when its environment is set), probe\n"
+        "collectives and point-to-point links by message size, per-layer compute and\n"
+        "gradient-ready times, and every compressor's cost and error on real gradients;\n"
+        "write the profile as JSON and print a summary.\n\n"
+        "examples:\n  autotune profile --workload cnn --out profile.json\n"
+        "  autotune profile --workload cnn --hosts 2 --nproc-per-node 1 --link 1gbit\n"
+        "  torchrun --nproc-per-node 8 -m autotune profile --workload mymod:make --out p.json",
+    )
+    parser.add_argument("--workload", default="cnn",
+                        help="built-in name, path/to/file.py:function or package.module:function")
+    add_cluster_arguments(parser)
+    parser.add_argument("--budget-s", type=positive_float, default=60.0,
+                        help="seconds of probing in all (network 45%%, compute 30%%, codecs 25%%)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="measured compute steps")
+    parser.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file to write")
+    parser.set_defaults(func=cmd_profile)
+    return parser
+
+
+@contextlib.contextmanager
+def placement(args: argparse.Namespace) -> Iterator[Any]:
+    """The ranks' placement: local, or an emulated cluster that is removed afterwards."""
+    from autotune.launch import local_placement
+
+    if args.hosts == 1:
+        if args.link is not None:
+            raise ClusterError("--link shapes the links between emulated hosts: give --hosts 2 or more")
+        yield local_placement(args.nproc_per_node)
+        return
+    if args.link is None:
+        raise ClusterError(f"--hosts {args.hosts} needs --link RATE (e.g. --link 1gbit)")
+    from autotune.emulate import EmulatedCluster, parse_link
+
+    with EmulatedCluster(args.hosts, parse_link(args.link), nproc_per_node=args.nproc_per_node) as cluster:
+        yield cluster
+
+
+def check_out_path(path: Path) -> None:
+    """Fail before any work if the output cannot be written there."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ProfileError(f"{path}: directory {parent} does not exist")
+    if path.is_dir():
+        raise ProfileError(f"{path}: is a directory")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autotune.cli.tables import print_profile
+    from autotune.launch import init_from_env, launch, under_torchrun
+    from autotune.probes.profile import Profile
+    from autotune.probes.run import PHASES, rank_profile
+    from autotune.progress import Bars
+    from autotune.workloads import resolve_workload
+
+    out = console()
+    check_out_path(args.out)
+    resolve_workload(args.workload)  # a bad spec fails here, before any rank starts
+    kwargs = {"workload": args.workload, "budget_s": args.budget_s, "steps": args.steps,
+              "link": args.link}
+    if under_torchrun():
+        import torch.distributed as dist
+
+        init_from_env()
+        if dist.get_rank() == 0:
+            with Bars(out, PHASES) as bars:
+                data = rank_profile(**kwargs, report=bars.report)
+                bars.finish()
+        else:
+            data = rank_profile(**kwargs, report=lambda phase, fraction: None)
+            return EXIT_OK
+    else:
+        with placement(args) as where, Bars(out, PHASES) as bars:
+            data = launch(
+                "autotune.probes.run:rank_profile", kwargs=kwargs, placement=where,
+                timeout=max(600.0, 10 * args.budget_s), on_line=bars.on_line,
+                env={"AUTOTUNE_PROGRESS": "stdout"},
+            )[0]
+            bars.finish()
+    profile = Profile.from_dict(data, source="probed profile")
+    profile.save(args.out)
+    print_profile(out, profile)
+    out.print(f"wrote {args.out} (took {profile.env['wall_s']:.0f} s of probing)")
+    return EXIT_OK

@@ -1,0 +1,146 @@
+"""Rich tables summarising a profile (``autotune profile`` and ``autotune show``)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from autotune.probes.profile import Profile
+
+__all__ = ["print_profile"]
+
+
+def _mbit(bps: float) -> str:
+    return f"{bps * 8 / 1e6:,.0f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def _spec_label(spec: Mapping[str, Any]) -> str:
+    from autotune.compressors import CompressorSpec
+
+    return CompressorSpec.from_dict(spec).label()
+
+
+def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
+    """Link classes with their fits, the heaviest layers, and codec costs."""
+    env = profile.env
+    console.print(Text.assemble(
+        ("profile ", "bold"), (profile.fingerprint, "bold cyan"),
+        f"  {profile.workload['name']} on {env['world_size']} ranks, {env['hosts']} host(s)"
+        f"{', link ' + env['link'] if env.get('link') else ''}, {env['backend']}/{env['device']},"
+        f" torch {env['torch']}",
+    ))
+    _network(console, profile)
+    _compute(console, profile, top)
+    _codecs(console, profile)
+
+
+def _network(console: Console, profile: Profile) -> None:
+    fits = profile.network.get("fits", {})
+    if not fits:
+        console.print("network: a single rank, nothing to probe")
+        return
+    table = Table(title="network: t(bytes) = latency + bytes / bandwidth", title_justify="left")
+    for col in ("collective", "link class", "latency us", "bandwidth Mbit/s",
+                "bus bw Mbit/s", "fitted on", "largest measured"):
+        table.add_column(col, justify="left" if col in ("collective", "link class") else "right")
+    largest: dict[str, int] = {}
+    for s in profile.network.get("samples", []):
+        key = s["collective"] if s["collective"] != "p2p" else f"p2p:{s.get('link_class')}"
+        largest[key] = max(largest.get(key, 0), s["bytes"])
+
+    def row(name: str, cls: str, f: Mapping[str, Any], key: str) -> None:
+        fitted = f.get("fit_bytes") or []
+        span = f"{fitted[0] / 2**20:g}-{fitted[-1] / 2**20:g} MiB" if fitted else ""
+        table.add_row(name, cls, f"{f['latency_s'] * 1e6:,.0f}", _mbit(f["bandwidth_Bps"]),
+                      _mbit(f.get("busbw_Bps", f["bandwidth_Bps"])), span,
+                      f"{largest.get(key, 0) / 2**20:g} MiB")
+
+    for name, f in fits.items():
+        if name == "p2p":
+            for cls, g in f.items():
+                row("p2p", cls, g, f"p2p:{cls}")
+        else:
+            row(name, "all ranks", f, name)
+    console.print(table)
+
+
+def _compute(console: Console, profile: Profile, top: int) -> None:
+    c = profile.compute
+    med = {k: statistics.median(c[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s") if c.get(k)}
+    console.print(
+        "compute (slowest rank, median): step " + ", ".join(
+            f"{k.removesuffix('_s')} {_ms(v)} ms" for k, v in med.items()
+        ) + "  [dim](step = the compute-only floor, ranks side by side)[/dim]"
+    )
+    params = sorted(c["params"], key=lambda p: -_numel(p))[:top]
+    modules = {m["name"]: m for m in c.get("modules", [])}
+    table = Table(title=f"the {len(params)} layers with the most gradient bytes", title_justify="left")
+    for col in ("parameter", "shape", "grad MB", "ready at ms", "layer backward ms"):
+        table.add_column(col, justify="left" if col == "parameter" else "right")
+    for p in params:
+        module = modules.get(p["name"].rsplit(".", 1)[0], {})
+        back = module.get("backward_s")
+        table.add_row(Text(p["name"]), "x".join(map(str, p["shape"])), f"{_numel(p) * 4 / 1e6:.2f}",
+                      _ms(p["ready_s"]), _ms(back) if back is not None else "")
+    console.print(table)
+    slow = sorted(c.get("modules", []), key=lambda m: -(m.get("backward_s") or 0.0))[:top]
+    if slow:
+        t2 = Table(title=f"the {len(slow)} layers with the most backward time", title_justify="left")
+        for col in ("module", "type", "forward ms", "backward ms"):
+            t2.add_column(col, justify="left" if col in ("module", "type") else "right")
+        for m in slow:
+            t2.add_row(Text(m["name"]), m.get("type", ""), _ms(m.get("forward_s") or 0.0),
+                       _ms(m.get("backward_s") or 0.0))
+        console.print(t2)
+
+
+def _codecs(console: Console, profile: Profile) -> None:
+    codecs = profile.codecs
+    shapes = codecs.get("shapes", [])
+    if not shapes:
+        return
+    params = profile.compute["params"]
+    count: dict[tuple[int, ...], int] = {}
+    for p in params:
+        key = tuple(p["shape"])
+        count[key] = count.get(key, 0) + 1
+    per_spec: dict[str, dict[str, float]] = {}
+    for s in shapes:
+        label = _spec_label(s["spec"])
+        n = count.get(tuple(s["shape"]), 0)
+        agg = per_spec.setdefault(label, {"time": 0.0, "bytes": 0.0, "err_num": 0.0, "err_den": 0.0})
+        agg["time"] += s["encode_decode_s"] * n
+        agg["bytes"] += s["wire_bytes"] * n
+    numel = {p["name"]: _numel(p) for p in params}
+    for e in codecs.get("errors", []):
+        label = _spec_label(e["spec"])
+        if label in per_spec:
+            w = numel.get(e["param"], 1)
+            per_spec[label]["err_num"] += e["rel_error"] * w
+            per_spec[label]["err_den"] += w
+    full = sum(numel.values()) * 4
+    table = Table(title="codecs over the whole model (per step and rank)", title_justify="left")
+    for col in ("compressor", "encode+decode ms", "wire MB", "vs fp32", "rel. error"):
+        table.add_column(col, justify="left" if col == "compressor" else "right")
+    for label, a in per_spec.items():
+        err = a["err_num"] / a["err_den"] if a["err_den"] else float("nan")
+        table.add_row(label, _ms(a["time"]), f"{a['bytes'] / 1e6:.2f}",
+                      f"{a['bytes'] / full:.3f}" if full else "", f"{err:.3f}")
+    console.print(table)
+    if codecs.get("truncated"):
+        console.print("[yellow]codec probe stopped at its time budget; some cells are missing[/yellow]")
+
+
+def _numel(p: Mapping[str, Any]) -> int:
+    n = 1
+    for d in p["shape"]:
+        n *= int(d)
+    return n

@@ -1,0 +1,109 @@
+"""Take a profile: the network, compute and codec probes in turn, on every rank.
+
+:func:`rank_profile` runs on each rank of the job (started by ``autotune profile``'s
+launcher, or by torchrun) and returns the profile as a dict on rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autotune.launch import set_rank_threads
+from autotune.progress import Report, rank_reporter
+
+__all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment"]
+
+PHASES = ["network", "compute", "codecs"]
+# Share of the probing budget each phase gets: the network needs the most for large
+# messages on slow links; the codec probe is bounded by the model's distinct shapes.
+BUDGET_SHARES = {"network": 0.45, "compute": 0.3, "codecs": 0.25}
+# Steps whose gradients the codec probe replays (error feedback needs several).
+CAPTURE_STEPS = 4
+
+
+def environment(link: str | None = None) -> dict[str, Any]:
+    """Where the profile was taken: what a profile from elsewhere must be read against."""
+    import autotune
+
+    backend = dist.get_backend()
+    device = "cuda" if backend == "nccl" else "cpu"
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "autotune": autotune.__version__,
+        "python": platform.python_version(),
+        "backend": backend,
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "world_size": dist.get_world_size(),
+        "nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        "threads_per_rank": torch.get_num_threads(),
+        "cpu_count": os.cpu_count() or 1,
+        "link": link,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return env
+
+
+def rank_profile(
+    workload: str,
+    budget_s: float = 60.0,
+    steps: int = 10,
+    link: str | None = None,
+    report: Report | None = None,
+) -> dict[str, Any] | None:
+    """Probe the live job; rank 0 returns the profile dict, other ranks None.
+
+    Args:
+        workload: workload spec (built-in name, ``file.py:fn`` or ``module:fn``).
+        budget_s: seconds of probing in all; split by :data:`BUDGET_SHARES`.
+        steps: measured compute-probe steps.
+        link: the emulated link (recorded in the environment), if any.
+        report: progress callback (default: protocol lines to a launching parent).
+    """
+    from autotune.probes.codecs import probe_codecs
+    from autotune.probes.compute import probe_compute
+    from autotune.probes.network import probe_network
+    from autotune.probes.profile import Profile
+    from autotune.workloads import describe, resolve_workload
+
+    started = time.perf_counter()
+    rank = dist.get_rank()
+    report = report or rank_reporter(rank)
+    set_rank_threads()
+    work = resolve_workload(workload)
+
+    network = probe_network(
+        budget_s=budget_s * BUDGET_SHARES["network"],
+        progress=lambda f: report("network", f),
+    )
+    report("compute", 0.0)
+    compute, grads = probe_compute(
+        work, steps=steps, budget_s=budget_s * BUDGET_SHARES["compute"], capture=CAPTURE_STEPS
+    )
+    report("codecs", 0.0)
+    codecs = probe_codecs(
+        grads, dist.get_world_size(), budget_s=budget_s * BUDGET_SHARES["codecs"]
+    )
+    report("codecs", 1.0)
+    hosts = len(set(network["hosts"]))
+    env = environment(link)
+    env.update(hosts=hosts, wall_s=time.perf_counter() - started)
+    info = describe(work)
+    data = {
+        "version": 1,
+        "env": env,
+        "workload": {"name": work.name, "spec": workload, **{k: v for k, v in info.items() if k != "name"}},
+        "network": network,
+        "compute": compute,
+        "codecs": codecs,
+    }
+    if rank != 0:
+        return None
+    return Profile.from_dict(data, source="probed profile").to_dict()
