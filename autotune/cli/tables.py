@@ -76,7 +76,7 @@ def _compute(console: Console, profile: Profile, top: int) -> None:
     c = profile.compute
     med = {k: statistics.median(c[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s") if c.get(k)}
     console.print(
-        "compute (slowest rank, median): step " + ", ".join(
+        "compute (slowest rank, median): " + ", ".join(
             f"{k.removesuffix('_s')} {_ms(v)} ms" for k, v in med.items()
         ) + "  [dim](step = the compute-only floor, ranks side by side)[/dim]"
     )
@@ -116,7 +116,9 @@ def _codecs(console: Console, profile: Profile) -> None:
     for s in shapes:
         label = _spec_label(s["spec"])
         n = count.get(tuple(s["shape"]), 0)
-        agg = per_spec.setdefault(label, {"time": 0.0, "bytes": 0.0, "err_num": 0.0, "err_den": 0.0})
+        agg = per_spec.setdefault(
+            label, {"time": 0.0, "bytes": 0.0, "err_num": 0.0, "cum_num": 0.0, "err_den": 0.0}
+        )
         agg["time"] += s["encode_decode_s"] * n
         agg["bytes"] += s["wire_bytes"] * n
     numel = {p["name"]: _numel(p) for p in params}
@@ -125,16 +127,22 @@ def _codecs(console: Console, profile: Profile) -> None:
         if label in per_spec:
             w = numel.get(e["param"], 1)
             per_spec[label]["err_num"] += e["rel_error"] * w
+            per_spec[label]["cum_num"] += e.get("cum_error", e["rel_error"]) * w
             per_spec[label]["err_den"] += w
     full = sum(numel.values()) * 4
     table = Table(title="codecs over the whole model (per step and rank)", title_justify="left")
-    for col in ("compressor", "encode+decode ms", "wire MB", "vs fp32", "rel. error"):
+    for col in ("compressor", "encode+decode ms", "wire MB", "vs fp32", "error per step",
+                "error over steps"):
         table.add_column(col, justify="left" if col == "compressor" else "right")
     for label, a in per_spec.items():
-        err = a["err_num"] / a["err_den"] if a["err_den"] else float("nan")
+        den = a["err_den"] or float("nan")
         table.add_row(label, _ms(a["time"]), f"{a['bytes'] / 1e6:.2f}",
-                      f"{a['bytes'] / full:.3f}" if full else "", f"{err:.3f}")
+                      f"{a['bytes'] / full:.3f}" if full else "",
+                      f"{a['err_num'] / den:.3f}", f"{a['cum_num'] / den:.3f}")
     console.print(table)
+    console.print("[dim]errors: ||g - C(g)|| / ||g|| on real gradients, weighted by size; "
+                  "'over steps' compares sums over the captured steps, where error feedback "
+                  "pays back what one step dropped[/dim]")
     if codecs.get("truncated"):
         console.print("[yellow]codec probe stopped at its time budget; some cells are missing[/yellow]")
 

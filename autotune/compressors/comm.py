@@ -2,8 +2,8 @@
 
 GRACE's split: compressors decide *what* travels, a communicator moves it. The runtime
 uses :class:`GroupComm` on a real process group; probes and unit tests use
-:class:`LocalComm`, a world of one, to time encode+decode and to measure compression error
-without any network.
+:class:`LocalComm`, W simulated ranks that all hold the same tensors, to time
+encode+decode and to measure compression error without any network.
 """
 
 from __future__ import annotations
@@ -72,15 +72,37 @@ class GroupComm(Comm):
 
 
 class LocalComm(Comm):
-    """A world of one rank: collectives are identities, bytes are still counted."""
+    """``world_size`` ranks that all hold the same tensors, simulated in one process.
 
-    def __init__(self) -> None:
+    ``all_reduce`` multiplies by ``world_size`` in place (the sum of W equal copies) and
+    ``all_gather`` returns W copies, so a compressor decodes W payloads, as it would on
+    W real ranks, and, its inputs being identical, averages to the single-rank result.
+    That makes it the codec probe's stand-in for a cluster: decode time scales with W
+    as it really does, and nothing touches a network. Bytes are counted per call as
+    :class:`Comm` counts them (what this rank hands in, not what it receives).
+
+    Args:
+        world_size: ranks to simulate; 1 (the default) makes collectives identities.
+
+    Raises:
+        ValueError: ``world_size`` is not an int >= 1.
+    """
+
+    def __init__(self, world_size: int = 1) -> None:
         super().__init__()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"LocalComm's world_size must be an int >= 1, got {world_size!r}")
         self.rank = 0
-        self.world_size = 1
+        self.world_size = world_size
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            tensor.mul_(self.world_size)
         return tensor
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.unsqueeze(0)
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        # A copy, not an expanded view: a real all_gather writes W separate payloads, and
+        # a decoder may write into what it received.
+        return tensor.unsqueeze(0).repeat(self.world_size, *([1] * tensor.dim()))

@@ -156,7 +156,8 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
         shape = v.array(p, f"{path}.shape")
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             _fail(source, f"{path}.shape", f"expected non-negative integers, got {shape!r}")
-        v.number(p, f"{path}.ready_s", low=0.0)
+        if p.get("ready_s", 0.0) is not None:  # null: the parameter never got a gradient
+            v.number(p, f"{path}.ready_s", low=0.0)
 
     codecs = v.obj(data, "codecs")
     for key in ("shapes", "errors"):

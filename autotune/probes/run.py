@@ -89,7 +89,8 @@ def rank_profile(
     )
     report("codecs", 0.0)
     codecs = probe_codecs(
-        grads, dist.get_world_size(), budget_s=budget_s * BUDGET_SHARES["codecs"]
+        grads, dist.get_world_size(), budget_s=budget_s * BUDGET_SHARES["codecs"],
+        distribute=True,  # each rank measures a share of the grid
     )
     report("codecs", 1.0)
     hosts = len(set(network["hosts"]))

@@ -1,0 +1,151 @@
+"""Profile JSON: round trips, strict validation naming the field, and `autotune profile`
+end to end on real ranks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autotune.cli import main
+from autotune.errors import ProfileError
+from autotune.probes.profile import Profile, load_profile
+
+
+def minimal() -> dict[str, Any]:
+    """A small but complete profile of a two-parameter model on two ranks."""
+    return {
+        "version": 1,
+        "env": {"torch": "2.13.0", "backend": "gloo", "device": "cpu", "world_size": 2,
+                "hosts": 2, "link": "1gbit"},
+        "workload": {"name": "tiny"},
+        "network": {
+            "fits": {
+                "allreduce": {"latency_s": 1e-4, "bandwidth_Bps": 1.2e8, "busbw_Bps": 1.2e8},
+                "p2p": {"inter": {"latency_s": 5e-5, "bandwidth_Bps": 1.2e8}},
+            },
+            "samples": [{"collective": "allreduce", "bytes": 4096, "times_s": [1e-4],
+                         "median_s": 1e-4}],
+        },
+        "compute": {
+            "step_s": [0.1, 0.11, 0.1],
+            "params": [
+                {"name": "fc.weight", "shape": [10, 20], "numel": 200, "ready_s": 0.01},
+                {"name": "fc.bias", "shape": [10], "numel": 10, "ready_s": 0.01},
+            ],
+        },
+        "codecs": {"shapes": [], "errors": []},
+    }
+
+
+def test_round_trip_through_json_file(tmp_path: Path) -> None:
+    profile = Profile.from_dict(minimal())
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    again = load_profile(path)
+    assert again == profile
+    assert again.to_dict() == minimal()
+    assert again.fingerprint == profile.fingerprint
+    assert again.fit("p2p")["bandwidth_Bps"] == 1.2e8
+    assert again.compute_floor_s() == pytest.approx(0.1)
+
+
+def test_profile_is_read_only_and_independent_of_its_source_dict() -> None:
+    data = minimal()
+    profile = Profile.from_dict(data)
+    data["compute"]["step_s"].append(99.0)
+    assert len(profile.compute["step_s"]) == 3
+    with pytest.raises(TypeError):
+        profile.compute["step_s"] = []  # type: ignore[index]
+
+
+def _broken(path: list[Any], value: Any) -> dict[str, Any]:
+    data = copy.deepcopy(minimal())
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "path,value,field",
+    [
+        (["version"], 2, "version: expected 1, got 2"),
+        (["env"], KeyError, "env: missing"),
+        (["env", "world_size"], 0, "env.world_size: expected an integer >= 1"),
+        (["env", "torch"], "", "env.torch"),
+        (["network", "fits", "allreduce", "bandwidth_Bps"], -1.0, "network.fits.allreduce.bandwidth_Bps"),
+        (["network", "fits", "p2p", "inter", "latency_s"], "fast", "network.fits.p2p.inter.latency_s"),
+        (["network", "samples"], {}, "network.samples: expected an array"),
+        (["compute", "step_s"], [], "compute.step_s: expected a non-empty array"),
+        (["compute", "step_s", 1], float("nan"), "compute.step_s[1]"),
+        (["compute", "params", 1, "shape"], [10, -1], "compute.params[1].shape"),
+        (["compute", "params", 0, "name"], KeyError, "compute.params[0].name: missing"),
+        (["extra"], 1, "extra: unknown key"),
+    ],
+)
+def test_malformed_profiles_are_rejected_naming_the_field(path: list[Any], value: Any, field: str) -> None:
+    with pytest.raises(ProfileError) as info:
+        Profile.from_dict(_broken(path, value), source="p.json")
+    assert f"p.json: {field}" in str(info.value)
+
+
+def test_malformed_json_file_names_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text('{"version": 1,\n "env": }')
+    with pytest.raises(ProfileError, match=r"line 2, column 9"):
+        load_profile(path)
+
+
+def test_show_prints_a_profile_and_rejects_a_broken_one(tmp_path: Path, capsys) -> None:
+    good = tmp_path / "good.json"
+    Profile.from_dict(minimal()).save(good)
+    assert main(["show", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "allreduce" in out and "fc.weight" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_broken(["compute", "step_s"], [])))
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compute.step_s" in err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--hosts", "2"], "--hosts 2 needs --link RATE"),
+        (["--link", "1gbit"], "give --hosts 2 or more"),
+        (["--workload", "nosuch"], "unknown workload 'nosuch'"),
+        (["--budget-s", "-1"], "expected a positive number"),
+        (["--out", "/nonexistent/dir/p.json"], "does not exist"),
+    ],
+)
+def test_profile_bad_flags_fail_in_one_line(argv: list[str], message: str, capsys) -> None:
+    assert main(["profile", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_autotune_profile_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune", "profile", "--workload", "mlp", "--nproc-per-node", "2",
+         "--budget-s", "8", "--steps", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    profile = load_profile(out)
+    assert profile.env["world_size"] == 2 and profile.workload["name"] == "mlp"
+    assert {"allreduce", "allgather", "broadcast", "p2p"} <= set(profile.network["fits"])
+    assert len(profile.compute["params"]) == 10
+    assert profile.codecs["shapes"] and profile.codecs["errors"]
+    assert "network" in proc.stdout and "codecs" in proc.stdout
