@@ -391,9 +391,16 @@ def probe_compute(
     fwd = per_step("module_forward", len(leaf_items))
     bwd = per_step("module_backward", len(leaf_items))
     ready = per_step("ready", len(param_items))
+    # How much of each backward pass the per-layer breakdown accounts for, compared
+    # within the same step on the same rank (across ranks or steps, CPU drift swamps it).
+    coverage = torch.tensor([
+        [sum(h["module_backward"]) / h["backward_s"] for h in hooked_steps],
+        [max((r for r in h["ready"] if not math.isnan(r)), default=0.0) / h["backward_s"]
+         for h in hooked_steps],
+    ], dtype=torch.float64).median(dim=1).values
     if distributed:
-        merged = _median_over_ranks(torch.cat([fwd, bwd, ready]), group)
-        fwd, bwd, ready = merged.split([len(fwd), len(bwd), len(ready)])
+        merged = _median_over_ranks(torch.cat([fwd, bwd, ready, coverage]), group)
+        fwd, bwd, ready, coverage = merged.split([len(fwd), len(bwd), len(ready), 2])
 
     # Order by the aggregated times, so order and times never disagree.
     ready_list = [_number(x) for x in ready.tolist()]
@@ -420,6 +427,11 @@ def probe_compute(
              "ready_order": order[j]}
             for j, (name, p) in enumerate(param_items)
         ],
+        "backward_coverage": {
+            # median over steps (and ranks) of breakdown / backward wall, same step
+            "modules": _number(coverage[0].item()) if time_backward else None,
+            "ready": _number(coverage[1].item()),
+        },
         "backward_timing": "autograd-nodes" if time_backward else "none",
         "backward_hooks_skipped": [] if time_backward else [n for n, _ in leaf_items],
         "truncated": truncated,
