@@ -33,6 +33,7 @@ from autotune.cli._base import (
 from autotune.cli.demo import add_demo_parser
 from autotune.cli.profile import add_profile_parser
 from autotune.cli.show import add_show_parser
+from autotune.cli.simulate import add_simulate_parser
 from autotune.errors import AutotuneError, RankFailure
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
@@ -55,6 +56,7 @@ def _version() -> str:
 
 SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
     add_profile_parser,
+    add_simulate_parser,
     add_show_parser,
     add_demo_parser,
 ]

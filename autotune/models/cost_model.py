@@ -1,0 +1,288 @@
+"""The cost model: a profile's measurements, fitted, behind one ``predict(policy)``.
+
+``CostModel.fit(profile)`` fits the learned components (collective times from the network
+probe's samples, codec times from the codec probe's shapes, and, when the profile holds
+measured (policy, step time) pairs, the residual correction) and keeps the compute
+times. ``predict(policy, what_if)`` runs the timeline simulator with them.
+
+Saved as JSON parameters (``save`` / ``load_cost_model``), carrying the package version;
+loading a model saved by another version refuses with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from autotune.compressors import REGISTRY, CompressorSpec
+from autotune.errors import ProfileError
+from autotune.jsonio import dumps, read_json, write_atomic
+from autotune.models.estimators import (
+    RESIDUAL_FEATURES,
+    CodecTimeRegressor,
+    CollectiveTimeRegressor,
+    ResidualRegressor,
+    relative_cv_error,
+)
+from autotune.models.simulator import ComputeTimes, ParamTiming, StepEstimate, WhatIf, simulate
+from autotune.policies import Policy
+from autotune.probes.profile import Profile
+
+__all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "codec_features"]
+
+logger = logging.getLogger(__name__)
+
+MODEL_VERSION = 1
+_RUNTIME_COLLECTIVES = ("allreduce", "allgather")  # what the runtime issues
+
+
+def codec_features(spec: CompressorSpec, shape: tuple[int, ...]) -> list[float]:
+    """``[numel, rows, cols, param]`` of a tensor under a compressor (param: rank,
+    ratio or block; 0 for methods without a size knob)."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    rows = int(shape[0]) if len(shape) >= 2 else numel
+    cols = numel // max(rows, 1) if len(shape) >= 2 else 1
+    params = spec.canonical().kwargs
+    param = float(params.get("rank", params.get("ratio", params.get("block", 0.0))))
+    return [float(numel), float(rows), float(cols), param]
+
+
+def _link_bps(profile: Profile) -> float | None:
+    """The measured link's rate: the emulated link if named, else the allreduce's bus
+    bandwidth (what the collective actually got)."""
+    link = profile.env.get("link")
+    if link:
+        from autotune.emulate import parse_link
+
+        return parse_link(str(link)).rate_bps
+    fit = profile.network.get("fits", {}).get("allreduce")
+    return float(fit["busbw_Bps"]) * 8 if fit and "busbw_Bps" in fit else None
+
+
+def compute_times(profile: Profile) -> ComputeTimes:
+    """Per-rank compute from a profile, with ready times scaled to un-instrumented steps
+    (the per-layer hooks that time them slow backward down a little)."""
+    c = profile.compute
+    backward = statistics.median(c["backward_s"])
+    hooked = statistics.median(c.get("hooked_backward_s") or c["backward_s"])
+    scale = backward / hooked if hooked > 0 else 1.0
+    params = tuple(
+        ParamTiming(p["name"], tuple(int(d) for d in p["shape"]),
+                    (p["ready_s"] if p["ready_s"] is not None else backward / scale) * scale)
+        for p in c["params"]
+    )
+    return ComputeTimes(
+        params=params,
+        forward_s=statistics.median(c["forward_s"]),
+        backward_s=backward,
+        optimizer_s=statistics.median(c["optimizer_s"]),
+        floor_s=statistics.median(c["step_s"]),
+        contention=1.0 if profile.env.get("device", "cpu") == "cpu" else 0.0,
+    )
+
+
+@dataclass
+class CostModel:
+    """Fitted components plus the compute times of one profile."""
+
+    compute: ComputeTimes
+    world_size: int
+    comm: dict[str, CollectiveTimeRegressor]
+    codec: dict[str, CodecTimeRegressor]
+    codec_world: int
+    link_bps: float | None
+    residual: ResidualRegressor | None = None
+    fingerprint: str = ""
+    cv_error: dict[str, float] | None = None  # cross-validated MAPE of each component
+
+    # ------------------------------------------------------------------ fitting
+    @classmethod
+    def fit(cls, profile: Profile, residual: bool = True) -> CostModel:
+        """Fit every component the profile has data for."""
+        comm: dict[str, CollectiveTimeRegressor] = {}
+        cv: dict[str, float] = {}
+        for name in _RUNTIME_COLLECTIVES:
+            rows = [(s["bytes"], profile.world_size, t) for s in profile.network.get("samples", [])
+                    if s["collective"] == name for t in s["times_s"]]
+            if not rows:
+                continue
+            X = np.array([[b, w] for b, w, _ in rows], dtype=float)
+            y = np.array([t for _, _, t in rows], dtype=float)
+            est = CollectiveTimeRegressor(collective=name)
+            comm[name] = est.fit(X, y)
+            cv[f"comm.{name}"] = relative_cv_error(CollectiveTimeRegressor(collective=name), X, y)
+        codec: dict[str, CodecTimeRegressor] = {}
+        by_name: dict[str, list[tuple[list[float], float]]] = {}
+        for s in profile.codecs.get("shapes", []):
+            spec = CompressorSpec.from_dict(s["spec"])
+            by_name.setdefault(spec.name, []).append(
+                (codec_features(spec, tuple(s["shape"])), float(s["encode_decode_s"]))
+            )
+        for name, rows_ in by_name.items():
+            X = np.array([r for r, _ in rows_], dtype=float)
+            y = np.array([t for _, t in rows_], dtype=float)
+            codec[name] = CodecTimeRegressor(compressor=name).fit(X, y)
+            cv[f"codec.{name}"] = relative_cv_error(CodecTimeRegressor(compressor=name), X, y)
+        model = cls(
+            compute=compute_times(profile), world_size=profile.world_size, comm=comm,
+            codec=codec, codec_world=int(profile.codecs.get("world_size", profile.world_size)),
+            link_bps=_link_bps(profile), fingerprint=profile.fingerprint, cv_error=cv,
+        )
+        pairs = profile.to_dict().get("calibration", {}).get("results", []) if residual else []
+        if len(pairs) >= 3:
+            model.fit_residual([(Policy.from_dict(p["policy"]), p["step_s"]) for p in pairs])
+        return model
+
+    def fit_residual(self, pairs: list[tuple[Policy | None, float]]) -> CostModel:
+        """Learn the correction from measured (policy, median step seconds) pairs."""
+        X = np.array([self._residual_row(self._simulate(p, WhatIf())) for p, _ in pairs])
+        y = np.array([t for _, t in pairs], dtype=float)
+        self.residual = ResidualRegressor().fit(X, y)
+        if self.cv_error is not None:
+            self.cv_error["residual"] = relative_cv_error(ResidualRegressor(), X, y)
+        return self
+
+    @staticmethod
+    def _residual_row(est: StepEstimate) -> list[float]:
+        row = {"simulated_s": est.simulated_s, "compute_s": est.compute_s, "codec_s": est.codec_s,
+               "comm_s": est.comm_s, "exposed_s": est.exposed_comm_s,
+               "collectives": float(est.collectives), "wire_mb": est.wire_bytes / 1e6}
+        return [row[k] for k in RESIDUAL_FEATURES]
+
+    # --------------------------------------------------------------- predicting
+    def comm_time(self, what_if: WhatIf) -> Any:
+        """``(collective, bytes, world) -> seconds`` under the what-if link."""
+        models = dict(self.comm)
+        if what_if.bandwidth_bps is not None or what_if.latency_s is not None:
+            scale = 1.0
+            if what_if.bandwidth_bps is not None:
+                if self.link_bps is None:
+                    raise ProfileError("the profile has no link rate to scale a bandwidth what-if from")
+                scale = self.link_bps / what_if.bandwidth_bps
+            models = {k: m.with_link(scale, what_if.latency_s) for k, m in models.items()}
+
+        def time(collective: str, nbytes: int, world: int) -> float:
+            if world <= 1 or nbytes <= 0:
+                return 0.0
+            model = models.get(collective)
+            if model is None:
+                raise ProfileError(f"the profile has no {collective} measurements to predict from")
+            return float(model.predict(np.array([[nbytes, world]], dtype=float))[0])
+
+        return time
+
+    def codec_time(self, what_if: WhatIf) -> Any:
+        """``(spec, shape, world) -> seconds`` of encode+decode."""
+        cache: dict[tuple[CompressorSpec, tuple[int, ...], int], float] = {}
+
+        def time(spec: CompressorSpec, shape: tuple[int, ...], world: int) -> float:
+            key = (spec, shape, world)
+            if key not in cache:
+                model = self.codec.get(spec.name)
+                if model is None:
+                    raise ProfileError(
+                        f"the profile has no codec measurements for {spec.name!r}; "
+                        "re-run `autotune profile` with it in the codec grid"
+                    )
+                t = float(model.predict(np.array([codec_features(spec, shape)]))[0])
+                if "allgather" in REGISTRY.get(spec.name).collectives and world != self.codec_world:
+                    # decoding handles one payload per rank: scale the decode half
+                    t = t / 2 + t / 2 * world / max(self.codec_world, 1)
+                cache[key] = max(0.0, t) / what_if.compute_speed
+            return cache[key]
+
+        return time
+
+    def _simulate(self, policy: Policy | None, what_if: WhatIf) -> StepEstimate:
+        compute = self.compute.scaled(what_if.compute_speed) if what_if.compute_speed != 1.0 else self.compute
+        world = what_if.world_size or self.world_size
+        if policy is None:  # plain DDP with its default buckets (small first bucket)
+            layers, default, cap = {}, CompressorSpec.of("none"), None
+        else:
+            layers, default, cap = policy.layers, policy.default, policy.bucket_cap_mb
+        return simulate(compute, layers, default, cap, world,
+                        self.comm_time(what_if), self.codec_time(what_if))
+
+    def predict(self, policy: Policy | None, what_if: WhatIf | None = None) -> StepEstimate:
+        """Predicted step of ``policy`` (None: plain DDP as constructed by default).
+
+        The residual correction applies at the measured cluster (it was learnt there),
+        not to what-ifs that change it."""
+        what_if = what_if or WhatIf()
+        est = self._simulate(policy, what_if)
+        if self.residual is not None and what_if == WhatIf():
+            corrected = float(self.residual.predict(np.array([self._residual_row(est)]))[0])
+            est = StepEstimate(**{**est.__dict__, "step_s": corrected})
+        return est
+
+    # -------------------------------------------------------------- persistence
+    def to_dict(self) -> dict[str, Any]:
+        import autotune
+
+        c = self.compute
+        return {
+            "version": MODEL_VERSION,
+            "autotune": autotune.__version__,
+            "profile_fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+            "codec_world": self.codec_world,
+            "link_bps": self.link_bps,
+            "compute": {
+                "forward_s": c.forward_s, "backward_s": c.backward_s, "optimizer_s": c.optimizer_s,
+                "floor_s": c.floor_s, "contention": c.contention,
+                "params": [{"name": p.name, "shape": list(p.shape), "ready_s": p.ready_s,
+                            "element_size": p.element_size, "dtype": p.dtype} for p in c.params],
+            },
+            "comm": {k: v.to_json_dict() for k, v in self.comm.items()},
+            "codec": {k: v.to_json_dict() for k, v in self.codec.items()},
+            "residual": self.residual.to_json_dict() if self.residual is not None else None,
+            "cv_error": {k: (None if v is None or math.isnan(v) else v)
+                         for k, v in (self.cv_error or {}).items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "cost model") -> CostModel:
+        import autotune
+
+        if not isinstance(data, Mapping) or data.get("version") != MODEL_VERSION:
+            raise ProfileError(f"{source}: version: expected {MODEL_VERSION}")
+        if data.get("autotune") != autotune.__version__:
+            raise ProfileError(
+                f"{source}: saved by autotune {data.get('autotune')}, this is "
+                f"{autotune.__version__}; refit it from its profile"
+            )
+        try:
+            c = data["compute"]
+            compute = ComputeTimes(
+                params=tuple(ParamTiming(p["name"], tuple(p["shape"]), p["ready_s"],
+                                         p["element_size"], p["dtype"]) for p in c["params"]),
+                forward_s=c["forward_s"], backward_s=c["backward_s"],
+                optimizer_s=c["optimizer_s"], floor_s=c["floor_s"], contention=c["contention"],
+            )
+            return cls(
+                compute=compute, world_size=int(data["world_size"]),
+                comm={k: CollectiveTimeRegressor.from_json_dict(v) for k, v in data["comm"].items()},
+                codec={k: CodecTimeRegressor.from_json_dict(v) for k, v in data["codec"].items()},
+                codec_world=int(data["codec_world"]), link_bps=data["link_bps"],
+                residual=(ResidualRegressor.from_json_dict(data["residual"])
+                          if data.get("residual") else None),
+                fingerprint=str(data.get("profile_fingerprint", "")),
+                cv_error=dict(data.get("cv_error") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{source}: malformed cost model: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_atomic(path, dumps(self.to_dict()) + "\n", ProfileError, "cost model")
+
+
+def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
+    return CostModel.from_dict(read_json(path, ProfileError, "cost model"), source=str(path))
