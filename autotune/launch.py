@@ -254,6 +254,7 @@ def launch(
                     MASTER_PORT=str(port),
                     AUTOTUNE_BACKEND=backend,
                     AUTOTUNE_PG_TIMEOUT=str(pg_timeout),
+                    AUTOTUNE_MACHINE_RANKS=str(world),  # every rank of a launch is here
                     PYTHONUNBUFFERED="1",
                 )
                 rank_env.update(spec.env)
@@ -323,7 +324,9 @@ def set_rank_threads(threads: int | None = None) -> int:
     training job would run; returns the number of intra-op threads set."""
     import torch
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # Ranks sharing this machine: all of a local launch (emulated hosts included), or
+    # torchrun's ranks on this node.
+    local = int(os.environ.get("AUTOTUNE_MACHINE_RANKS", os.environ.get("LOCAL_WORLD_SIZE", "1")))
     n = threads or max(1, (os.cpu_count() or 1) // max(local, 1))
     torch.set_num_threads(n)
     return n

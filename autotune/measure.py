@@ -38,7 +38,7 @@ class Setup:
     name: str  # label in tables and JSON (e.g. "ddp", "policy", "powersgd1")
     kind: str = "policy"  # one of KINDS
     policy: dict[str, Any] | None = None  # policy JSON object, for kind "policy"
-    bucket_cap_mb: float = 25.0  # for kind "ddp"
+    bucket_cap_mb: float | None = None  # for kind "ddp"; None: DDP's default buckets
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -66,7 +66,8 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
     if setup.kind == "floor":
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
-        model = DistributedDataParallel(module, bucket_cap_mb=setup.bucket_cap_mb)
+        caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
+        model = DistributedDataParallel(module, **caps)
     else:
         from autotune.policies import Policy
         from autotune.runtime import wrap

@@ -1,0 +1,50 @@
+"""Random policies: for cost-model calibration and benchmarks, and as search seeds.
+
+A random policy picks a bucket size and a few compressors, then gives each parameter one
+of them; small tensors (where compression cannot gain) mostly stay uncompressed, as a
+person writing a policy would do.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+from autotune.policies import Policy
+
+__all__ = ["CHOICES", "BUCKET_CAPS_MB", "random_policy"]
+
+CHOICES: tuple[dict[str, Any], ...] = (
+    {"compressor": "none"},
+    {"compressor": "fp16"},
+    {"compressor": "bf16"},
+    {"compressor": "powersgd", "rank": 1},
+    {"compressor": "powersgd", "rank": 2},
+    {"compressor": "powersgd", "rank": 4},
+    {"compressor": "powersgd", "rank": 8},
+    {"compressor": "topk", "ratio": 0.01},
+    {"compressor": "topk", "ratio": 0.1},
+    {"compressor": "int8"},
+    {"compressor": "sign"},
+)
+BUCKET_CAPS_MB = (1.0, 5.0, 10.0, 25.0, 50.0)
+SMALL = 16_384  # elements: below this, compression has nothing to gain
+
+
+def random_policy(
+    params: Sequence[tuple[str, int]], rng: random.Random, max_compressors: int = 3
+) -> Policy:
+    """A random mixed policy for parameters given as (name, numel)."""
+    chosen = rng.sample(CHOICES, k=rng.randint(1, max_compressors))
+    layers: dict[str, dict[str, Any]] = {}
+    for name, numel in params:
+        spec = chosen[rng.randrange(len(chosen))]
+        if numel < SMALL and rng.random() < 0.8:
+            spec = {"compressor": "none"}
+        if spec["compressor"] != "none":
+            layers[name] = dict(spec)
+    return Policy.from_dict({
+        "version": 1, "bucket_cap_mb": rng.choice(BUCKET_CAPS_MB), "layers": layers,
+        "meta": {"source": "random", "compressors": [Policy.from_dict(
+            {"version": 1, "default": c}).default.label() for c in chosen]},
+    })

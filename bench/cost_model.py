@@ -1,0 +1,184 @@
+"""Benchmark: how well does the cost model predict measured step times?
+
+On 2 emulated hosts (one rank each) at each link rate, for each workload:
+  1. take a profile (`rank_profile`, as `autotune profile` does);
+  2. draw N random mixed policies (compressors and bucket sizes) plus the baselines
+     (plain DDP, fp16, PowerSGD rank 1 and 4);
+  3. measure every one on the live job, interleaved (A B C ... A B C ...), medians;
+  4. predict every one from the profile taken before: the timeline with the fitted
+     components, and the timeline plus a residual correction learnt on *other*
+     policies of the same cell (5-fold cross-validation, so no policy is predicted by a
+     model that saw it).
+Reports MAPE, 90th-percentile absolute percentage error and Spearman rank correlation
+per rate, per cell and overall. Needs root. Writes JSON and prints tables.
+
+    python bench/cost_model.py [--rates 100mbit,1gbit,5gbit] [--workloads cnn,transformer,mlp]
+                               [--policies 20] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from scipy.stats import spearmanr
+from sklearn.model_selection import KFold
+
+from autotune.emulate import EmulatedCluster, parse_link
+from autotune.launch import launch
+from autotune.models.cost_model import CostModel
+from autotune.policies import Policy
+from autotune.probes.profile import Profile
+from autotune.search.sampling import random_policy
+from autotune.workloads import resolve_workload
+
+BASELINES: dict[str, dict[str, Any] | None] = {
+    "ddp": None,
+    "fp16": {"compressor": "fp16"},
+    "powersgd1": {"compressor": "powersgd", "rank": 1},
+    "powersgd4": {"compressor": "powersgd", "rank": 4},
+}
+
+
+def _setups(workload: str, n: int, seed: int) -> list[tuple[str, Policy | None]]:
+    model = resolve_workload(workload).model
+    params = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    rng = random.Random(seed)
+    out: list[tuple[str, Policy | None]] = [
+        (name, None if spec is None else Policy.from_dict({"version": 1, "default": spec}))
+        for name, spec in BASELINES.items()
+    ]
+    out += [(f"random{i}", random_policy(params, rng)) for i in range(n)]
+    return out
+
+
+def _measure(cluster: EmulatedCluster, workload: str, setups: list[tuple[str, Policy | None]],
+             rounds: int, block: int, chunk: int) -> dict[str, list[float]]:
+    """Step times of every set-up, interleaved within chunks (bounded memory)."""
+    times: dict[str, list[float]] = {}
+    for start in range(0, len(setups), chunk):
+        part = setups[start:start + chunk]
+        specs = [{"name": name, "kind": "ddp"} if pol is None else
+                 {"name": name, "kind": "policy", "policy": pol.to_dict()} for name, pol in part]
+        result = launch("autotune.measure:rank_measure", placement=cluster, timeout=3600,
+                        kwargs={"workload": workload, "setups": specs, "rounds": rounds,
+                                "block": block})[0]
+        for r in result["results"]:
+            times[r["name"]] = r["step_s"]
+    return times
+
+
+def _metrics(pred: list[float], meas: list[float]) -> dict[str, float]:
+    p, m = np.asarray(pred), np.asarray(meas)
+    if len(p) == 0:
+        return {"mape": float("nan"), "p90": float("nan"), "spearman": float("nan"), "n": 0}
+    ape = np.abs(p - m) / m
+    rho = float(spearmanr(p, m).statistic) if len(p) > 2 else float("nan")
+    return {"mape": float(ape.mean()), "p90": float(np.percentile(ape, 90)), "spearman": rho,
+            "n": int(len(p))}
+
+
+def _cv_residual(model_json: dict[str, Any], policies: list[Policy | None], measured: list[float]) -> list[float]:
+    """Predictions with a residual learnt on the other folds only."""
+    out = [0.0] * len(policies)
+    for train, test in KFold(n_splits=5, shuffle=True, random_state=0).split(policies):
+        model = CostModel.from_dict(model_json)
+        model.fit_residual([(policies[i], measured[i]) for i in train])
+        for i in test:
+            out[i] = model.predict(policies[i]).step_s
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="100mbit,1gbit,5gbit")
+    parser.add_argument("--workloads", default="cnn,transformer,mlp")
+    parser.add_argument("--policies", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=40.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/cost_model.json"))
+    args = parser.parse_args(argv)
+    console = Console(width=200)
+    started = time.time()
+    cells = []
+    for rate in args.rates.split(","):
+        with EmulatedCluster(2, parse_link(rate)) as cluster:
+            for workload in args.workloads.split(","):
+                t0 = time.time()
+                profile = Profile.from_dict(launch(
+                    "autotune.probes.run:rank_profile", placement=cluster, timeout=1800,
+                    kwargs={"workload": workload, "budget_s": args.budget_s, "link": rate},
+                )[0])
+                model = CostModel.fit(profile)
+                setups = _setups(workload, args.policies, args.seed)
+                measured = _measure(cluster, workload, setups, args.rounds, args.block, args.chunk)
+                names = [n for n, _ in setups]
+                policies = [p for _, p in setups]
+                meas = [statistics.median(measured[n]) for n in names]
+                pred = [model.predict(p).step_s for p in policies]
+                ddp = model.predict(None)
+                pred_res = _cv_residual(model.to_dict(), policies, meas)
+                cell = {
+                    "rate": rate, "workload": workload,
+                    "network_dominated": ddp.exposed_comm_s > 0.5 * ddp.step_s,
+                    "floor_s": model.compute.floor_s,
+                    "timeline": _metrics(pred, meas), "with_residual_cv": _metrics(pred_res, meas),
+                    "cv_error": model.cv_error,
+                    "rows": [{"name": n, "measured_s": m, "all_s": measured[n], "predicted_s": p,
+                              "predicted_residual_s": q,
+                              "policy": pol.to_dict() if pol is not None else None}
+                             for n, m, p, q, pol in zip(names, meas, pred, pred_res, policies)],
+                    "wall_s": time.time() - t0,
+                }
+                cells.append(cell)
+                console.print(f"{rate} {workload}: MAPE {cell['timeline']['mape']:.3f} "
+                              f"(residual CV {cell['with_residual_cv']['mape']:.3f}), Spearman "
+                              f"{cell['timeline']['spearman']:.3f} ({cell['wall_s']:.0f} s)")
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"benchmark": "cost_model", "cells": cells}, indent=1))
+
+    def pooled(select: Any, key: str) -> dict[str, float]:
+        rows = [r for c in cells if select(c) for r in c["rows"]]
+        return _metrics([r[key] for r in rows], [r["measured_s"] for r in rows])
+
+    summary: dict[str, Any] = {}
+    for key, label in (("predicted_s", "timeline"), ("predicted_residual_s", "with_residual_cv")):
+        summary[label] = {
+            "overall": pooled(lambda c: True, key),
+            "network_dominated": pooled(lambda c: c["network_dominated"], key),
+            **{rate: pooled(lambda c, r=rate: c["rate"] == r, key) for rate in args.rates.split(",")},
+        }
+    out = {"benchmark": "cost_model", "args": vars(args) | {"out": str(args.out)},
+           "summary": summary, "cells": cells, "wall_s": time.time() - started}
+    args.out.write_text(json.dumps(out, indent=1))
+
+    table = Table(title="cost model: predicted vs measured step time (2 emulated hosts)")
+    for col in ("scope", "policies", "MAPE", "P90 APE", "Spearman", "MAPE +residual (CV)",
+                "P90 +residual", "Spearman +residual"):
+        table.add_column(col, justify="left" if col == "scope" else "right")
+    rows = [(f"cell {c['rate']} {c['workload']}" + (" (network)" if c["network_dominated"] else ""),
+             c["timeline"], c["with_residual_cv"]) for c in cells]
+    rows += [(scope, summary["timeline"][scope], summary["with_residual_cv"][scope])
+             for scope in [*args.rates.split(","), "network_dominated", "overall"]]
+    for scope, a, b in rows:
+        table.add_row(scope, str(a["n"]), f"{a['mape']:.3f}", f"{a['p90']:.3f}", f"{a['spearman']:.3f}",
+                      f"{b['mape']:.3f}", f"{b['p90']:.3f}", f"{b['spearman']:.3f}")
+    console.print(table)
+    console.print(f"wrote {args.out} ({out['wall_s'] / 60:.0f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
