@@ -27,8 +27,10 @@ from autotune.launch import set_rank_threads
 
 __all__ = ["Setup", "rank_measure", "summarize"]
 
-# What a set-up is: plain DDP, a policy applied by autotune's hook, the compute-only floor.
-KINDS = ("ddp", "policy", "floor")
+# What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
+# communication hooks, the compute-only floor.
+KINDS = ("ddp", "policy", "hook", "floor")
+HOOKS = ("fp16", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,17 @@ class Setup:
     name: str  # label in tables and JSON (e.g. "ddp", "policy", "powersgd1")
     kind: str = "policy"  # one of KINDS
     policy: dict[str, Any] | None = None  # policy JSON object, for kind "policy"
-    bucket_cap_mb: float | None = None  # for kind "ddp"; None: DDP's default buckets
+    bucket_cap_mb: float | None = None  # for "ddp" and "hook"; None: DDP's default buckets
+    hook: str | None = None  # for kind "hook": "fp16" or "powersgd"
+    rank: int = 1  # PowerSGD's matrix approximation rank, for hook "powersgd"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise AutotuneError(f"unknown set-up kind {self.kind!r}; expected one of {KINDS}")
         if self.kind == "policy" and self.policy is None:
             raise AutotuneError(f"set-up {self.name!r} of kind 'policy' needs a policy")
+        if self.kind == "hook" and self.hook not in HOOKS:
+            raise AutotuneError(f"set-up {self.name!r}: hook must be one of {HOOKS}, got {self.hook!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Setup:
@@ -59,22 +65,51 @@ class _Runner:
     optimizer: torch.optim.Optimizer
     step: int = 0
     times: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def _stock_hook(setup: Setup, module: torch.nn.Module) -> tuple[DistributedDataParallel, str]:
+    """DDP with one of PyTorch's own hooks, run the way it can run here."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
+    note = ""
+    if setup.hook == "powersgd" and dist.get_backend() == "gloo":
+        # The stock hook issues collectives from future callbacks, which deadlocks or
+        # aborts on gloo as soon as DDP has two buckets: give it one bucket.
+        size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+        caps = {"bucket_cap_mb": size_mb + 1.0}
+        note = ("stock powerSGD_hook run with one bucket: on gloo it deadlocks or aborts with "
+                "two or more")
+    model = DistributedDataParallel(module, **caps)
+    if setup.hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=setup.rank, start_powerSGD_iter=2,
+            min_compression_rate=2, use_error_feedback=True, warm_start=True,
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return model, note
 
 
 def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
     module = copy.deepcopy(base)
+    note = ""
     if setup.kind == "floor":
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
         caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
         model = DistributedDataParallel(module, **caps)
+    elif setup.kind == "hook":
+        model, note = _stock_hook(setup, module)
     else:
         from autotune.policies import Policy
         from autotune.runtime import wrap
 
         model = wrap(module, Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}"))
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    return _Runner(setup, model, module, optimizer)
+    return _Runner(setup, model, module, optimizer, note=note)
 
 
 def _run_step(runner: _Runner, make_batch: Callable[[int], Any], loss_fn: Callable[..., Any]) -> float:
@@ -131,7 +166,10 @@ def rank_measure(
     for runner in runners:
         times = torch.tensor(runner.times, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        entry: dict[str, Any] = {**asdict(runner.setup), "step_s": times.tolist()}
+        entry: dict[str, Any] = {**asdict(runner.setup), "step_s": times.tolist(),
+                                 "step_s_median": statistics.median(times.tolist())}
+        if runner.note:
+            entry["note"] = runner.note
         state = getattr(runner.model, "comm_state", None)
         if state is not None:
             by_comp: dict[str, int] = {}
@@ -140,10 +178,13 @@ def rank_measure(
                     by_comp[label] = by_comp.get(label, 0) + nbytes
             entry["bytes_by_compressor"] = by_comp
             entry["policy_id"] = state.policy.id
-        elif runner.setup.kind == "ddp":
+        elif runner.setup.kind == "ddp" or runner.setup.hook == "fp16":
+            # DDP and the fp16 hook send every gradient element (the hook as 2 bytes)
             nbytes = sum(p.numel() * p.element_size() for p in runner.module.parameters()
                          if p.requires_grad)
-            entry["bytes_by_compressor"] = {"none": nbytes}
+            entry["bytes_by_compressor"] = (
+                {"none": nbytes} if runner.setup.kind == "ddp" else {"fp16": nbytes // 2}
+            )
         results.append(entry)
     return {"world_size": dist.get_world_size(), "workload": work.name, "results": results}
 

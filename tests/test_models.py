@@ -36,11 +36,16 @@ GRID = [
 ]
 
 
+# errors of each compressor in synthetic profiles, in the range real gradients give
+SYNTHETIC_ERROR = {"none": 0.0, "fp16": 3e-4, "bf16": 2e-3, "powersgd": 0.9,
+                   "powersgd(rank=4)": 0.7, "topk": 0.8, "int8": 0.01, "sign": 0.5}
+
+
 def synthetic_profile(workload: str = "cnn", link_bps: float = 1e9, world: int = 2,
-                      latency_s: float = 2e-4) -> Profile:
+                      latency_s: float = 2e-4, model: torch.nn.Module | None = None) -> Profile:
     """A profile whose network follows an alpha-beta law on a known link and whose codec
     costs grow with tensor size: every number is known, nothing is measured."""
-    model = resolve_workload(workload).model
+    model = model if model is not None else resolve_workload(workload).model
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
     backward = 0.2
     total = sum(p.numel() for _, p in params)
@@ -57,7 +62,7 @@ def synthetic_profile(workload: str = "cnn", link_bps: float = 1e9, world: int =
             t = hops * latency_s / 2 + factor * size / bps
             samples.append({"collective": name, "bytes": size, "times_s": [t * 0.99, t, t * 1.01],
                             "median_s": t})
-    shapes = []
+    shapes, errors = [], []
     for spec in GRID:
         comp = create(spec["compressor"], **{k: v for k, v in spec.items() if k != "compressor"})
         for shape in {tuple(p.shape) for _, p in params}:
@@ -65,16 +70,20 @@ def synthetic_profile(workload: str = "cnn", link_bps: float = 1e9, world: int =
             shapes.append({"spec": spec, "shape": list(shape), "numel": n,
                            "encode_decode_s": 1e-5 + n * (0 if spec["compressor"] == "none" else 2e-9),
                            "wire_bytes": comp.wire_bytes(shape, world)})
+        for name, p in params:
+            errors.append({"spec": spec, "param": name, "rel_error": SYNTHETIC_ERROR[comp.spec.label()],
+                           "cum_error": SYNTHETIC_ERROR[comp.spec.label()]})
     return Profile.from_dict({
         "version": 1,
         "env": {"torch": torch.__version__, "backend": "gloo", "device": "cpu",
-                "world_size": world, "hosts": world, "link": f"{link_bps / 1e6:g}mbit"},
+                "world_size": world, "hosts": world, "link": f"{link_bps / 1e6:.0f}mbit"},
         "workload": {"name": workload},
         "network": {"fits": {"allreduce": {"latency_s": latency_s, "bandwidth_Bps": bps}},
                     "samples": samples},
         "compute": {"step_s": [0.3] * 3, "forward_s": [0.08] * 3, "backward_s": [backward] * 3,
                     "optimizer_s": [0.02] * 3, "params": rows},
-        "codecs": {"world_size": world, "shapes": shapes, "errors": []},
+        "codecs": {"world_size": world, "shapes": shapes, "errors": errors,
+                   "grad_norms": {name: 1.0 for name, _ in params}},
     })
 
 

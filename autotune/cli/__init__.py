@@ -30,10 +30,12 @@ from autotune.cli._base import (
     Subparsers,
     UsageError,
 )
+from autotune.cli.bench import add_bench_parser
 from autotune.cli.demo import add_demo_parser
 from autotune.cli.profile import add_profile_parser
 from autotune.cli.show import add_show_parser
 from autotune.cli.simulate import add_simulate_parser
+from autotune.cli.tune import add_tune_parser
 from autotune.errors import AutotuneError, RankFailure
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
@@ -56,7 +58,9 @@ def _version() -> str:
 
 SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
     add_profile_parser,
+    add_tune_parser,
     add_simulate_parser,
+    add_bench_parser,
     add_show_parser,
     add_demo_parser,
 ]

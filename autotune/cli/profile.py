@@ -81,8 +81,8 @@ def check_out_path(path: Path) -> None:
         raise ProfileError(f"{path}: is a directory")
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
-    from autotune.cli.tables import print_profile
+def take_profile(args: argparse.Namespace) -> Any:
+    """Probe the job ``args`` describes (workload, cluster, budget, steps); a Profile."""
     from autotune.launch import init_from_env, launch, under_torchrun
     from autotune.probes.profile import Profile
     from autotune.probes.run import PHASES, rank_profile
@@ -90,7 +90,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autotune.workloads import resolve_workload
 
     out = console()
-    check_out_path(args.out)
     resolve_workload(args.workload)  # a bad spec fails here, before any rank starts
     kwargs = {"workload": args.workload, "budget_s": args.budget_s, "steps": args.steps,
               "link": args.link}
@@ -98,13 +97,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         init_from_env()
-        if dist.get_rank() == 0:
-            with Bars(out, PHASES) as bars:
-                data = rank_profile(**kwargs, report=bars.report)
-                bars.finish()
-        else:
-            data = rank_profile(**kwargs, report=lambda phase, fraction: None)
-            return EXIT_OK
+        if dist.get_rank() != 0:
+            rank_profile(**kwargs, report=lambda phase, fraction: None)
+            return None
+        with Bars(out, PHASES) as bars:
+            data = rank_profile(**kwargs, report=bars.report)
+            bars.finish()
     else:
         with placement(args) as where, Bars(out, PHASES) as bars:
             data = launch(
@@ -113,8 +111,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 env={"AUTOTUNE_PROGRESS": "stdout"},
             )[0]
             bars.finish()
-    profile = Profile.from_dict(data, source="probed profile")
+    return Profile.from_dict(data, source="probed profile")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autotune.cli.tables import print_profile
+
+    check_out_path(args.out)
+    profile = take_profile(args)
+    if profile is None:  # a rank other than 0 under torchrun
+        return EXIT_OK
     profile.save(args.out)
+    out = console()
     print_profile(out, profile)
     out.print(f"wrote {args.out} (took {profile.env['wall_s']:.0f} s of probing)")
     return EXIT_OK

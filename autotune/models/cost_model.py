@@ -158,6 +158,10 @@ class CostModel:
         return [row[k] for k in RESIDUAL_FEATURES]
 
     # --------------------------------------------------------------- predicting
+    def __post_init__(self) -> None:
+        # predictions repeat across a search: memoise per what-if and argument
+        self._memo: dict[tuple[Any, ...], float] = {}
+
     def comm_time(self, what_if: WhatIf) -> Any:
         """``(collective, bytes, world) -> seconds`` under the what-if link."""
         models = dict(self.comm)
@@ -169,22 +173,27 @@ class CostModel:
                 scale = self.link_bps / what_if.bandwidth_bps
             models = {k: m.with_link(scale, what_if.latency_s) for k, m in models.items()}
 
+        memo = self._memo
+
         def time(collective: str, nbytes: int, world: int) -> float:
             if world <= 1 or nbytes <= 0:
                 return 0.0
-            model = models.get(collective)
-            if model is None:
-                raise ProfileError(f"the profile has no {collective} measurements to predict from")
-            return float(model.predict(np.array([[nbytes, world]], dtype=float))[0])
+            key = ("comm", what_if, collective, nbytes, world)
+            if key not in memo:
+                model = models.get(collective)
+                if model is None:
+                    raise ProfileError(f"the profile has no {collective} measurements to predict from")
+                memo[key] = float(model.predict(np.array([[nbytes, world]], dtype=float))[0])
+            return memo[key]
 
         return time
 
     def codec_time(self, what_if: WhatIf) -> Any:
         """``(spec, shape, world) -> seconds`` of encode+decode."""
-        cache: dict[tuple[CompressorSpec, tuple[int, ...], int], float] = {}
+        cache = self._memo
 
         def time(spec: CompressorSpec, shape: tuple[int, ...], world: int) -> float:
-            key = (spec, shape, world)
+            key = ("codec", what_if.compute_speed, spec, shape, world)
             if key not in cache:
                 model = self.codec.get(spec.name)
                 if model is None:

@@ -26,8 +26,9 @@ paper's assumptions, or in tests on hand-made numbers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from autotune.compressors import REGISTRY, CompressorSpec
 from autotune.models.buckets import ParamInfo, ddp_buckets
@@ -160,7 +161,7 @@ def group_messages(spec: CompressorSpec, shapes: Sequence[tuple[int, ...]], worl
     runtime sends them. PowerSGD's stages depend on which tensors it compresses: an
     allreduce of the tensors it sends whole (if any), then one of all Ps, one of all Qs.
     """
-    comp = REGISTRY.create(spec.name, **spec.kwargs)
+    comp = _compressor(spec)
     if spec.name == "powersgd":
         plain = p_bytes = q_bytes = 0
         for shape in shapes:
@@ -180,6 +181,12 @@ def group_messages(spec: CompressorSpec, shapes: Sequence[tuple[int, ...]], worl
         for kind, nbytes in comp.wire_messages(shape, world).items():
             totals[kind] = totals.get(kind, 0) + nbytes
     return [Message(kind, totals[kind]) for kind in dict.fromkeys(comp.collectives) if kind in totals]
+
+
+@functools.lru_cache(maxsize=256)
+def _compressor(spec: CompressorSpec) -> Any:
+    """One instance per spec, only asked for sizes (no state is touched)."""
+    return REGISTRY.create(spec.name, **spec.kwargs)
 
 
 def plan_buckets(

@@ -252,6 +252,10 @@ def probe_codecs(
         "skipped": [specs[i].to_dict() for i in sorted(all_skipped)],
         "shapes": [row for i in order for row in measured[i]["shapes"]],
         "errors": [row for i in order for row in measured[i]["errors"]],
+        # mean gradient norm per parameter (this rank's): weights per-layer errors into
+        # the error of the whole gradient
+        "grad_norms": {name: float(sum(float(g.float().norm()) for g in gs) / len(gs))
+                       for name, gs in grads.items()},
         "truncated": bool(all_skipped),
         "wall_s": time.monotonic() - started,
     }

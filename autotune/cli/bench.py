@@ -1,0 +1,122 @@
+"""``autotune bench``: measured step times of a policy and the baselines, interleaved."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
+from autotune.cli.profile import add_cluster_arguments, check_out_path, placement
+from autotune.errors import AutotuneError
+
+# Baselines as users run them: DDP with its defaults, and PyTorch's own hooks.
+BASELINES: dict[str, dict[str, Any]] = {
+    "ddp": {"kind": "ddp"},
+    "fp16": {"kind": "hook", "hook": "fp16"},
+    "powersgd1": {"kind": "hook", "hook": "powersgd", "rank": 1},
+    "powersgd4": {"kind": "hook", "hook": "powersgd", "rank": 4},
+}
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline {unknown[0]!r}; choose from {', '.join(BASELINES)}")
+    return names
+
+
+def add_bench_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = add_command(
+        subparsers,
+        "bench",
+        "measure step times of a policy, the baselines and the compute-only floor",
+        "Train the workload under every configuration in one job, interleaved (A B C A B C),\n"
+        "and report median step times (the slowest rank's) next to the compute-only floor.\n"
+        "Baselines are PyTorch's own: DDP's defaults, fp16_compress_hook and powerSGD_hook\n"
+        "(on gloo, the stock PowerSGD hook runs with a single bucket, the only way it does\n"
+        "not deadlock; the results say so).\n\n"
+        "examples:\n  autotune bench --workload cnn --policy policy.json\n"
+        "  autotune bench --workload cnn --hosts 2 --nproc-per-node 1 --link 100mbit --json out.json",
+    )
+    parser.add_argument("--workload", default="cnn",
+                        help="built-in name, path/to/file.py:function or package.module:function")
+    add_cluster_arguments(parser)
+    parser.add_argument("--policy", type=Path, help="a policy to measure beside the baselines")
+    parser.add_argument("--baselines", type=_names, default=list(BASELINES),
+                        help="comma-separated: " + ",".join(BASELINES))
+    parser.add_argument("--steps", type=positive_int, default=12,
+                        help="measured steps per configuration (in blocks of --block)")
+    parser.add_argument("--block", type=positive_int, default=3, help="consecutive steps per block")
+    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
+                        help="also write the results as JSON to OUT")
+    parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def run_bench(args: argparse.Namespace, policy: Any = None) -> dict[str, Any]:
+    """Measure; shared with ``autotune demo``."""
+    from autotune.launch import launch
+
+    setups = [{"name": name, **BASELINES[name]} for name in args.baselines]
+    if policy is not None:
+        setups.append({"name": "policy", "kind": "policy", "policy": policy.to_dict()})
+    setups.append({"name": "floor", "kind": "floor"})
+    rounds = max(1, -(-args.steps // args.block))
+    out = console()
+    with placement(args) as where, out.status(
+        f"measuring {len(setups)} configurations, {rounds} interleaved blocks of {args.block} steps"
+    ):
+        result = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
+                        kwargs={"workload": args.workload, "setups": setups, "rounds": rounds,
+                                "block": args.block, "warmup": args.warmup})[0]
+    for r in result["results"]:
+        r["step_s_median"] = statistics.median(r["step_s"])
+    result.update(link=args.link, hosts=args.hosts, nproc_per_node=args.nproc_per_node)
+    return result
+
+
+def print_bench(result: dict[str, Any]) -> None:
+    out = console()
+    rows = result["results"]
+    ddp = next((r["step_s_median"] for r in rows if r["name"] == "ddp"), None)
+    floor = next((r["step_s_median"] for r in rows if r["name"] == "floor"), None)
+    link = f", link {result['link']}" if result.get("link") else ""
+    table = Table(title=f"measured step time: {result['workload']} on {result['world_size']} ranks{link}")
+    for col in ("configuration", "median ms", "vs DDP", "vs floor", "steps", "note"):
+        table.add_column(col, justify="left" if col in ("configuration", "note") else "right")
+    for r in rows:
+        med = r["step_s_median"]
+        table.add_row(r["name"], f"{med * 1e3:.1f}", f"{med / ddp:.2f}x" if ddp else "",
+                      f"{med / floor:.2f}x" if floor else "", str(len(r["step_s"])), r.get("note", ""))
+    out.print(table)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from autotune.policies import load_policy
+    from autotune.workloads import resolve_workload
+
+    work = resolve_workload(args.workload)
+    policy = None
+    if args.policy is not None:
+        policy = load_policy(args.policy)
+        policy.check(work.model).raise_if_unknown()
+    if args.json is not None:
+        check_out_path(args.json)
+    if not args.baselines and policy is None:
+        raise AutotuneError("nothing to measure: give --policy or at least one baseline")
+    result = run_bench(args, policy)
+    print_bench(result)
+    if args.json is not None:
+        from autotune.jsonio import write_atomic
+
+        write_atomic(args.json, json.dumps(result, indent=1) + "\n", AutotuneError, "results")
+        console().print(f"wrote {args.json}")
+    return EXIT_OK

@@ -1,0 +1,138 @@
+"""``autotune tune``: search the best policy for a profile; write policy JSON."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
+from autotune.cli.profile import check_out_path, placement
+
+
+def _max_error(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    from autotune.search.tuner import DEFAULT_MAX_ERROR
+
+    parser = add_command(
+        subparsers,
+        "tune",
+        "search the fastest policy within a compression-error budget",
+        "Fit the cost model to a profile, then search bucket size and per-parameter\n"
+        "compressors with Optuna (baselines first: plain DDP at several bucket sizes,\n"
+        "fp16, PowerSGD rank 1 and 4), refine layer by layer, and write the policy. If\n"
+        "the tuned policy is not predicted to beat the best baseline, the baseline is\n"
+        "written. --verify K measures the K best candidates and the best baselines on the\n"
+        "live job and keeps the fastest.\n\n"
+        "examples:\n  autotune tune profile.json --out policy.json\n"
+        "  autotune tune profile.json --storage sqlite:///study.db --study-name cnn --trials 500\n"
+        "  autotune tune profile.json --verify 3",
+    )
+    parser.add_argument("profile", type=Path, help="profile.json from `autotune profile`")
+    parser.add_argument("--out", type=Path, default=Path("policy.json"), help="policy file to write")
+    parser.add_argument("--max-error", type=_max_error, default=DEFAULT_MAX_ERROR,
+                        help="compression-error budget: relative error of the whole gradient "
+                             "over the profiled steps (see docs; bench/convergence.py justifies "
+                             "the default)")
+    parser.add_argument("--trials", type=positive_int, default=200, help="Optuna trials")
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed (same profile and seed: "
+                                                            "same policy)")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="measure the K best candidates and the best baselines on the live "
+                             "job, interleaved, and choose by measurement")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage URL, e.g. sqlite:///study.db (default: in memory)")
+    parser.add_argument("--study-name", default=None,
+                        help="study to create or resume (default: autotune-<profile fingerprint>)")
+    parser.add_argument("--workload", default=None,
+                        help="with --verify: the workload (default: the profile's)")
+    parser.add_argument("--nproc-per-node", type=positive_int, default=None,
+                        help="with --verify: ranks per host (default: the profile's)")
+    parser.add_argument("--hosts", type=positive_int, default=None,
+                        help="with --verify: emulated hosts (default: the profile's)")
+    parser.add_argument("--link", default=None, help="with --verify: emulated link (default: the profile's)")
+    parser.set_defaults(func=cmd_tune)
+    return parser
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from autotune.errors import AutotuneError
+    from autotune.probes.profile import load_profile
+    from autotune.search.tuner import tune
+
+    out = console()
+    profile = load_profile(args.profile)
+    check_out_path(args.out)
+    if args.verify < 0:
+        raise AutotuneError(f"--verify takes a number of candidates >= 0, got {args.verify}")
+    if args.storage is not None and "://" not in args.storage:
+        raise AutotuneError(f"--storage must be an Optuna storage URL such as sqlite:///study.db, "
+                            f"got {args.storage!r}")
+    progress = Progress(TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=out)
+    with progress:
+        task = progress.add_task("trials", total=args.trials)
+        result = tune(profile, max_error=args.max_error, trials=args.trials, seed=args.seed,
+                      storage=args.storage, study_name=args.study_name,
+                      progress=lambda done, total: progress.update(task, completed=done),
+                      top_k=max(1, args.verify))
+    policy = result.policy
+    verified = None
+    if args.verify:
+        policy, verified = _verify(args, profile, result, out)
+    policy.save(args.out)
+    _print(out, result, policy, verified)
+    out.print(f"wrote {args.out} (policy {policy.id}; {result.trials} trials in the study, "
+              f"{result.wall_s:.1f} s)")
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tuple[Any, dict[str, Any]]:
+    from autotune.search.tuner import Candidate
+    from autotune.search.verify import verify, with_verification
+
+    env = profile.env
+    args.workload = args.workload or profile.workload.get("spec") or profile.workload["name"]
+    args.hosts = args.hosts or (int(env["hosts"]) if env.get("link") else 1)
+    args.nproc_per_node = args.nproc_per_node or max(1, int(env["world_size"]) // args.hosts)
+    args.link = args.link or env.get("link")
+    feasible = sorted((b for b in result.baselines if b.feasible), key=lambda b: b.predicted_s)
+    tuned = [Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)]
+    tuned += [c for c in result.top if c.policy.id != result.tuned.policy.id][: max(0, args.verify - 1)]
+    candidates = tuned + feasible[:2]
+    with placement(args) as where, out.status(f"verifying {len(candidates)} candidates on the live job"):
+        winner, report = verify(candidates, args.workload, where)
+    return with_verification(result.policy, winner, report), report
+
+
+def _print(out: Any, result: Any, policy: Any, verified: dict[str, Any] | None) -> None:
+    ref = next((b.predicted_s for b in result.baselines if b.name == "ddp"), result.tuned.predicted_s)
+    table = Table(title="predicted step time (the cost model fitted to the profile)")
+    cols = ["policy", "predicted ms", "speedup vs DDP", "error", "within budget"]
+    if verified:
+        cols.append("measured ms")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    chosen = policy.meta.get("chosen", result.chosen)
+    for c in [*result.baselines, result.tuned]:
+        name = ("tuned" if c is result.tuned else c.name) + ("  <- written" if (
+            (c is result.tuned and chosen == "tuned") or c.name == chosen) else "")
+        row = [name, f"{c.predicted_s * 1e3:.1f}", f"{ref / c.predicted_s:.2f}x", f"{c.error:.3f}",
+               "yes" if c.feasible else "no"]
+        if verified:
+            key = "tuned" if c is result.tuned else c.name
+            row.append(f"{verified[key]['measured_step_s'] * 1e3:.1f}" if key in verified else "")
+        table.add_row(*row)
+    out.print(table)

@@ -1,0 +1,162 @@
+"""The search space: bucket size, and a compressor per group of similar parameters.
+
+A flat categorical per tensor does not scale to models with hundreds of tensors (TPE
+would see hundreds of independent dimensions). Parameters are grouped instead by what
+decides how they should travel: whether they are matrices (PowerSGD needs one) and
+their size (log-scale bins). The study searches the bucket size and one choice per group
+jointly; :mod:`autotune.search.tuner` then refines the best policy layer by layer.
+
+The compression error of a policy comes from the codec probe's measurements on real
+gradients: each parameter's relative error under its compressor (cumulative over the
+captured steps, where error feedback pays back what a step dropped), combined over the
+whole gradient, weighted by the parameters' gradient norms::
+
+    error(policy) = sqrt( sum_l (e_l * |g_l|)^2 ) / sqrt( sum_l |g_l|^2 )
+
+i.e. the relative error of the whole model's gradient if layers err independently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from autotune.compressors import CompressorSpec
+from autotune.errors import ProfileError
+from autotune.policies import Policy
+from autotune.probes.profile import Profile
+from autotune.search.sampling import CHOICES, SMALL
+
+__all__ = ["Group", "SearchSpace", "ErrorModel", "label_of"]
+
+# Element-count bin edges of the size groups (besides matrix / not matrix).
+SIZE_EDGES = (SMALL, 262_144, 1_048_576, 4_194_304)
+# Searched bucket caps (MB): DDP's 25 and a spread around it.
+CAPS = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+_CHEAP = ("none", "fp16", "bf16")
+
+
+def label_of(spec: Mapping[str, Any] | CompressorSpec) -> str:
+    s = spec if isinstance(spec, CompressorSpec) else CompressorSpec.from_dict(spec)
+    return s.canonical().label()
+
+
+@dataclass(frozen=True)
+class Group:
+    """Parameters searched together, and the compressors they may use."""
+
+    key: str  # e.g. "matrix:262144-1048576"
+    params: tuple[str, ...]
+    numel: int
+    options: tuple[str, ...]  # labels, from SearchSpace.specs
+
+
+@dataclass
+class SearchSpace:
+    """Groups of parameters, the compressor options of each, and bucket caps."""
+
+    params: dict[str, tuple[int, ...]]  # name -> shape, in the profile's order
+    groups: list[Group]
+    specs: dict[str, CompressorSpec]  # label -> spec of every option
+    caps: tuple[float, ...] = CAPS
+    _group_of: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_profile(
+        cls, profile: Profile, choices: Sequence[Mapping[str, Any]] = CHOICES,
+        caps: Sequence[float] = CAPS,
+    ) -> SearchSpace:
+        """Groups from the profiled parameters; options limited to measured compressors."""
+        measured = {label_of(s["spec"]) for s in profile.codecs.get("shapes", [])}
+        specs = {label_of(c): CompressorSpec.from_dict(c).canonical() for c in choices}
+        specs = {k: v for k, v in specs.items() if k in measured or k == "none"}
+        params = {p["name"]: tuple(int(d) for d in p["shape"]) for p in profile.compute["params"]}
+        members: dict[str, list[str]] = {}
+        for name, shape in params.items():
+            members.setdefault(_group_key(shape), []).append(name)
+        groups = []
+        for key, names in members.items():
+            matrix = key.startswith("matrix")
+            small = key.endswith(f":0-{SMALL}")
+            options = tuple(
+                label for label, spec in specs.items()
+                if (spec.name in _CHEAP or not small) and (matrix or spec.name != "powersgd")
+            )
+            groups.append(Group(key, tuple(names), sum(math.prod(params[n]) for n in names), options))
+        groups.sort(key=lambda g: -g.numel)
+        space = cls(params=params, groups=groups, specs=specs, caps=tuple(caps))
+        space._group_of = {n: g.key for g in groups for n in g.params}
+        return space
+
+    def group_of(self, name: str) -> Group:
+        key = self._group_of[name]
+        return next(g for g in self.groups if g.key == key)
+
+    def policy(self, cap: float, choice: Mapping[str, str], layers: Mapping[str, str] | None = None,
+               meta: Mapping[str, Any] | None = None) -> Policy:
+        """A policy from a cap, a label per group, and optional per-layer overrides."""
+        per_layer: dict[str, dict[str, Any]] = {}
+        for g in self.groups:
+            for name in g.params:
+                label = (layers or {}).get(name, choice[g.key])
+                if label != "none":
+                    per_layer[name] = self.specs[label].to_dict()
+        return Policy.from_dict({"version": 1, "bucket_cap_mb": cap, "layers": per_layer,
+                                 "meta": dict(meta or {})})
+
+    def uniform_choice(self, label: str) -> dict[str, str]:
+        """Each group's choice for "``label`` everywhere it applies, else none"."""
+        return {g.key: (label if label in g.options else "none") for g in self.groups}
+
+
+def _group_key(shape: tuple[int, ...]) -> str:
+    n = math.prod(shape)
+    kind = "matrix" if len(shape) >= 2 else "vector"
+    lo = 0
+    for edge in SIZE_EDGES:
+        if n < edge:
+            return f"{kind}:{lo}-{edge}"
+        lo = edge
+    return f"{kind}:{lo}-"
+
+
+class ErrorModel:
+    """Compression error of a policy, from the codec probe's per-parameter errors."""
+
+    def __init__(self, profile: Profile, metric: str = "cum_error") -> None:
+        self.metric = metric
+        self.errors: dict[tuple[str, str], float] = {}
+        for e in profile.codecs.get("errors", []):
+            self.errors[(label_of(e["spec"]), e["param"])] = float(e.get(metric, e["rel_error"]))
+        norms = profile.codecs.get("grad_norms") or {}
+        params = profile.compute["params"]
+        # without norms, weight by size (a gradient's norm grows like sqrt(numel))
+        self.weights = {p["name"]: float(norms.get(p["name"], math.sqrt(math.prod(p["shape"]))))
+                        for p in params}
+        total = sum(w * w for w in self.weights.values())
+        self._total = total if total > 0 else 1.0
+
+    def layer_error(self, label: str, name: str) -> float:
+        if label in ("none",):
+            return 0.0
+        try:
+            return self.errors[(label, name)]
+        except KeyError:
+            raise ProfileError(
+                f"the profile has no measured error for {label} on {name}; "
+                "re-run `autotune profile` with that compressor in the codec grid"
+            ) from None
+
+    def of(self, policy: Policy) -> float:
+        """The policy's error (0 = exact)."""
+        acc = 0.0
+        for name, w in self.weights.items():
+            spec = policy.spec_for(name)
+            e = self.layer_error(label_of(spec), name)
+            acc += (e * w) ** 2
+        return math.sqrt(acc / self._total)
+
+    def contribution(self, label: str, name: str) -> float:
+        """The squared-error share one layer adds under ``label``."""
+        return (self.layer_error(label, name) * self.weights.get(name, 0.0)) ** 2 / self._total

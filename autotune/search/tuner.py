@@ -1,0 +1,271 @@
+"""The tuner: an Optuna study over the search space, a per-layer refinement, and the
+guard that never emits a policy predicted to lose to a baseline.
+
+1. **Baselines first.** Plain DDP at several bucket sizes, fp16, PowerSGD rank 1 and 4
+   everywhere are predicted exactly and enqueued as the study's first trials.
+2. **Joint search.** TPE (seeded, so a profile and a seed give one policy) over the
+   bucket cap and one compressor per parameter group; objective: predicted step time;
+   constraint: the policy's compression error <= ``max_error`` (Optuna's
+   ``Trial.set_constraint``: infeasible trials inform the sampler but never win).
+3. **Refinement.** L-GreCo-style per-layer pass over the largest tensors of the best
+   trial: try every option of each layer's group and keep a change when it lowers the
+   predicted step within the error budget; then re-pick the bucket cap.
+4. **Guard.** If the tuned policy is not predicted to beat the best feasible baseline,
+   that baseline is emitted instead.
+
+Studies live in memory, or in any Optuna storage (``sqlite:///study.db``) where a study
+of the same name is resumed and can be opened with optuna-dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from autotune.errors import AutotuneError
+from autotune.models.cost_model import CostModel
+from autotune.policies import Policy
+from autotune.probes.profile import Profile
+from autotune.search.space import ErrorModel, SearchSpace
+
+__all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneResult", "baselines", "tune"]
+
+logger = logging.getLogger(__name__)
+
+# The default compression-error budget; bench/convergence.py is its justification
+# (policies tuned under it train digits to within a point of plain DDP).
+DEFAULT_MAX_ERROR = 0.85
+REFINE_LAYERS = 48  # largest tensors refined one by one
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A policy with its prediction."""
+
+    name: str
+    policy: Policy
+    predicted_s: float
+    error: float
+    feasible: bool
+
+    def row(self, reference_s: float) -> dict[str, Any]:
+        return {"name": self.name, "predicted_step_s": self.predicted_s,
+                "speedup": reference_s / self.predicted_s, "error": self.error,
+                "feasible": self.feasible, "policy_id": self.policy.id}
+
+
+@dataclass
+class TuneResult:
+    """What tuning found: the emitted policy and everything it was compared with."""
+
+    policy: Policy  # what to use (the tuned policy, or the best baseline)
+    chosen: str  # "tuned" or a baseline's name
+    tuned: Candidate
+    baselines: list[Candidate]
+    top: list[Candidate] = field(default_factory=list)  # best distinct study trials
+    trials: int = 0
+    wall_s: float = 0.0
+
+
+def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
+              max_error: float) -> list[Candidate]:
+    """The hand-picked set-ups a user would try, predicted exactly."""
+    out = []
+    specs = {
+        "fp16": {"compressor": "fp16"},
+        "powersgd1": {"compressor": "powersgd", "rank": 1},
+        "powersgd4": {"compressor": "powersgd", "rank": 4},
+    }
+    policies = [(f"ddp{cap:g}mb" if cap != 25 else "ddp", Policy(bucket_cap_mb=cap))
+                for cap in (1.0, 5.0, 25.0, 100.0)]
+    policies += [(name, Policy.from_dict({"version": 1, "default": spec})) for name, spec in specs.items()]
+    for name, policy in policies:
+        err = errors.of(policy)
+        pred = model.predict(policy).step_s
+        out.append(Candidate(name, policy.with_meta(baseline=name), pred, err, err <= max_error))
+    return out
+
+
+def tune(
+    profile: Profile,
+    max_error: float = DEFAULT_MAX_ERROR,
+    trials: int = 200,
+    seed: int = 0,
+    storage: str | None = None,
+    study_name: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    refine: bool = True,
+    top_k: int = 3,
+    model: CostModel | None = None,
+) -> TuneResult:
+    """Search the best policy for ``profile``.
+
+    Args:
+        profile: the profile to tune on.
+        max_error: compression-error budget (see :class:`ErrorModel`).
+        trials: Optuna trials in this run (a resumed study adds this many).
+        seed: TPE's seed: the same profile and seed give the same policy.
+        storage: an Optuna storage URL (e.g. ``sqlite:///study.db``), or None for memory.
+        study_name: the study to create or resume (default: ``autotune-<fingerprint>``).
+        progress: called with (trials done, trials) after each trial.
+        refine: run the per-layer refinement of the best trial.
+        top_k: distinct best trials to keep (``--verify`` measures them).
+        model: a fitted cost model (default: fitted from ``profile``).
+    """
+    import optuna
+
+    if not (max_error >= 0 and math.isfinite(max_error)):
+        raise AutotuneError(f"max_error must be a finite number >= 0, got {max_error!r}")
+    if trials < 1:
+        raise AutotuneError(f"trials must be >= 1, got {trials}")
+    started = time.perf_counter()
+    model = model or CostModel.fit(profile)
+    space = SearchSpace.from_profile(profile)
+    errors = ErrorModel(profile)
+    base = baselines(space, model, errors, max_error)
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, n_startup_trials=min(20, trials),
+    )
+    name = study_name or f"autotune-{profile.fingerprint}"
+    study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                sampler=sampler, load_if_exists=True)
+    if study.user_attrs.get("profile_fingerprint") not in (None, profile.fingerprint):
+        raise AutotuneError(
+            f"study {name!r} was tuned on profile {study.user_attrs['profile_fingerprint']}, "
+            f"not {profile.fingerprint}; use another --study-name"
+        )
+    study.set_user_attr("profile_fingerprint", profile.fingerprint)
+    study.set_user_attr("max_error", max_error)
+    if not study.trials:
+        for params in _baseline_params(space):
+            study.enqueue_trial(params, skip_if_exists=True)
+
+    def objective(trial: optuna.Trial) -> float:
+        cap = trial.suggest_categorical("bucket_cap_mb", list(space.caps))
+        choice = {g.key: trial.suggest_categorical(g.key, list(g.options)) for g in space.groups}
+        policy = space.policy(cap, choice)
+        err = errors.of(policy)
+        trial.set_user_attr("error", err)
+        # feasible when <= 0: infeasible trials inform the sampler but never win
+        trial.set_constraint("error", err - max_error)
+        return model.predict(policy).step_s
+
+    done = [0]
+
+    def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], trials)
+
+    study.optimize(objective, n_trials=trials, callbacks=[callback])
+
+    ranked = _ranked_trials(study, space, max_error)
+    if not ranked:
+        raise AutotuneError(
+            f"no policy within max_error={max_error:g} was found; even the baselines exceed "
+            "it? Raise --max-error"
+        )
+    top = []
+    seen: set[str] = set()
+    for cap, choice, _ in ranked:
+        policy = space.policy(cap, choice)
+        if policy.id in seen:
+            continue
+        seen.add(policy.id)
+        top.append(Candidate(f"trial{len(top) + 1}", policy, model.predict(policy).step_s,
+                             errors.of(policy), True))
+        if len(top) >= top_k:
+            break
+    best = top[0]
+    if refine:
+        best = _refine(space, model, errors, max_error, *ranked[0][:2])
+    feasible = [b for b in base if b.feasible]
+    best_base = min(feasible, key=lambda b: b.predicted_s)
+    meta = {
+        "tool": "autotune tune",
+        "seed": seed,
+        "max_error": max_error,
+        "profile_fingerprint": profile.fingerprint,
+        "workload": profile.workload.get("name"),
+        "trials": len(study.trials),
+        "study_name": name,
+        "predicted_step_s": best.predicted_s,
+        "error": best.error,
+        "baselines": {b.name: {"predicted_step_s": b.predicted_s, "error": b.error,
+                               "feasible": b.feasible} for b in base},
+    }
+    if best.predicted_s < best_base.predicted_s:
+        chosen, emitted = "tuned", best.policy.with_meta(**meta, chosen="tuned")
+    else:
+        logger.info("the tuned policy (%.4f s) does not beat %s (%.4f s): emitting the baseline",
+                    best.predicted_s, best_base.name, best_base.predicted_s)
+        meta.update(predicted_step_s=best_base.predicted_s, error=best_base.error)
+        chosen, emitted = best_base.name, best_base.policy.with_meta(**meta, chosen=best_base.name)
+    return TuneResult(policy=emitted, chosen=chosen, tuned=best, baselines=base, top=top,
+                      trials=len(study.trials), wall_s=time.perf_counter() - started)
+
+
+def _baseline_params(space: SearchSpace) -> list[dict[str, Any]]:
+    """The baselines in the study's own terms, so TPE starts from them."""
+    out = []
+    for cap in (1.0, 5.0, 25.0, 100.0):
+        out.append({"bucket_cap_mb": cap, **space.uniform_choice("none")})
+    for label in ("fp16", "powersgd", "powersgd(rank=4)"):
+        if label in space.specs:
+            out.append({"bucket_cap_mb": 25.0, **space.uniform_choice(label)})
+    return out
+
+
+def _ranked_trials(study: Any, space: SearchSpace, max_error: float) -> list[tuple[float, dict[str, str], float]]:
+    import optuna
+
+    rows = []
+    for t in study.trials:
+        if t.state != optuna.trial.TrialState.COMPLETE or t.value is None:
+            continue
+        if t.user_attrs.get("error", math.inf) > max_error:
+            continue
+        if "bucket_cap_mb" not in t.params or any(g.key not in t.params for g in space.groups):
+            continue
+        rows.append((float(t.params["bucket_cap_mb"]), {g.key: t.params[g.key] for g in space.groups},
+                     float(t.value)))
+    rows.sort(key=lambda r: r[2])
+    return rows
+
+
+def _refine(space: SearchSpace, model: CostModel, errors: ErrorModel, max_error: float,
+            cap: float, choice: dict[str, str]) -> Candidate:
+    """Greedy per-layer improvement of one policy, then the best bucket cap for it."""
+    layers: dict[str, str] = {n: choice[g.key] for g in space.groups for n in g.params}
+    largest = sorted(space.params, key=lambda n: -math.prod(space.params[n]))[:REFINE_LAYERS]
+
+    def evaluate(cap_: float, layers_: dict[str, str]) -> tuple[float, float]:
+        policy = space.policy(cap_, choice, layers_)
+        return model.predict(policy).step_s, errors.of(policy)
+
+    best_t, best_e = evaluate(cap, layers)
+    for _ in range(2):  # passes
+        improved = False
+        for name in largest:
+            current = layers[name]
+            for option in space.group_of(name).options:
+                if option == current:
+                    continue
+                layers[name] = option
+                t, e = evaluate(cap, layers)
+                if e <= max_error and t < best_t * (1 - 1e-6):
+                    best_t, best_e, current, improved = t, e, option, True
+                layers[name] = current
+        if not improved:
+            break
+    for other in space.caps:
+        t, e = evaluate(other, layers)
+        if t < best_t * (1 - 1e-6):
+            best_t, best_e, cap = t, e, other
+    policy = space.policy(cap, choice, layers)
+    return Candidate("tuned", policy, best_t, best_e, best_e <= max_error)

@@ -1,0 +1,118 @@
+"""The tuner: determinism, the baseline guard, resumable studies, large models, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_models import synthetic_profile
+
+from autotune.cli import main
+from autotune.policies import load_policy
+from autotune.search.space import ErrorModel, SearchSpace
+from autotune.search.tuner import tune
+from autotune.workloads import transformer
+
+
+def _without_volatile(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k not in ("study_name",)}
+
+
+def test_same_profile_and_seed_give_the_same_policy() -> None:
+    profile = synthetic_profile("cnn", link_bps=1e8)
+    a = tune(profile, trials=40, seed=7).policy
+    b = tune(profile, trials=40, seed=7).policy
+    assert a.id == b.id
+    assert a.to_dict()["layers"] == b.to_dict()["layers"]
+    assert _without_volatile(dict(a.meta)) == _without_volatile(dict(b.meta))
+
+
+def test_slow_link_gets_a_compressed_policy_that_beats_every_baseline() -> None:
+    result = tune(synthetic_profile("cnn", link_bps=1e8), trials=60, seed=0)
+    assert result.chosen == "tuned"
+    best_base = min(b.predicted_s for b in result.baselines if b.feasible)
+    assert result.tuned.predicted_s < best_base
+    assert result.tuned.error <= result.policy.meta["max_error"]
+    assert any(s.name != "none" for s in result.policy.layers.values())
+    meta = result.policy.meta
+    assert meta["profile_fingerprint"] and meta["seed"] == 0 and "ddp" in meta["baselines"]
+
+
+def test_guard_emits_the_best_baseline_when_nothing_beats_it() -> None:
+    # a very fast link and a zero error budget: nothing can beat plain DDP
+    result = tune(synthetic_profile("cnn", link_bps=1e12), trials=20, seed=0, max_error=0.0)
+    assert result.chosen.startswith("ddp")
+    assert not result.policy.layers or all(s.name == "none" for s in result.policy.layers.values())
+    assert result.policy.meta["chosen"] == result.chosen
+
+
+def test_error_budget_is_respected() -> None:
+    profile = synthetic_profile("cnn", link_bps=1e8)
+    errors = ErrorModel(profile)
+    for budget in (0.01, 0.3, 0.8):
+        result = tune(profile, trials=30, seed=1, max_error=budget)
+        assert errors.of(result.policy) <= budget + 1e-9
+
+
+def test_a_sqlite_study_resumes(tmp_path: Path) -> None:
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    profile = synthetic_profile("transformer", link_bps=1e8)
+    first = tune(profile, trials=12, seed=0, storage=storage, study_name="resume")
+    second = tune(profile, trials=8, seed=0, storage=storage, study_name="resume")
+    assert first.trials == 12 and second.trials == 20
+    study = optuna.load_study(study_name="resume", storage=storage)
+    assert len(study.trials) == 20
+    assert second.tuned.predicted_s <= first.tuned.predicted_s + 1e-12
+
+
+def test_a_study_refuses_another_profile(tmp_path: Path) -> None:
+    from autotune.errors import AutotuneError
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    tune(synthetic_profile("mlp"), trials=3, storage=storage, study_name="s")
+    with pytest.raises(AutotuneError, match="another --study-name"):
+        tune(synthetic_profile("transformer"), trials=3, storage=storage, study_name="s")
+
+
+def test_a_model_with_more_than_300_tensors_is_tuned_within_the_budget() -> None:
+    model = transformer(layers=26).model
+    assert len(list(model.parameters())) > 300
+    profile = synthetic_profile(model=model, link_bps=1e8)
+    space = SearchSpace.from_profile(profile)
+    assert len(space.groups) < 12, "parameters are searched in groups, not one by one"
+    result = tune(profile, trials=60, seed=0)
+    assert result.chosen == "tuned"
+    assert result.tuned.predicted_s < min(b.predicted_s for b in result.baselines if b.feasible)
+    assert result.wall_s < 120
+
+
+def test_tune_cli_writes_a_policy_and_a_table(tmp_path: Path, capsys) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile("cnn", link_bps=1e8).save(profile)
+    out = tmp_path / "policy.json"
+    assert main(["tune", str(profile), "--out", str(out), "--trials", "30", "--seed", "3"]) == 0
+    policy = load_policy(out)
+    assert policy.meta["seed"] == 3 and policy.meta["chosen"] == "tuned"
+    text = capsys.readouterr().out
+    assert "powersgd4" in text and "tuned" in text and "written" in text
+    json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max-error", "-1"], "expected a number >= 0"),
+        (["--trials", "0"], "expected a positive integer"),
+        (["--storage", "study.db"], "must be an Optuna storage URL"),
+    ],
+)
+def test_tune_bad_flags_fail_in_one_line(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    profile = tmp_path / "profile.json"
+    synthetic_profile("mlp").save(profile)
+    assert main(["tune", str(profile), "--out", str(tmp_path / "p.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "p.json").exists()
