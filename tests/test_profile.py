@@ -49,7 +49,7 @@ def test_round_trip_through_json_file(tmp_path: Path) -> None:
     profile.save(path)
     again = load_profile(path)
     assert again == profile
-    assert again.to_dict() == minimal()
+    assert again.to_dict() == {**minimal(), "calibration": {"results": []}}
     assert again.fingerprint == profile.fingerprint
     assert again.fit("p2p")["bandwidth_Bps"] == 1.2e8
     assert again.compute_floor_s() == pytest.approx(0.1)
@@ -148,4 +148,5 @@ def test_autotune_profile_end_to_end(tmp_path: Path) -> None:
     assert {"allreduce", "allgather", "broadcast", "p2p"} <= set(profile.network["fits"])
     assert len(profile.compute["params"]) == 10
     assert profile.codecs["shapes"] and profile.codecs["errors"]
+    assert len(profile.calibration["results"]) == 8  # baselines and random policies
     assert "network" in proc.stdout and "codecs" in proc.stdout

@@ -46,8 +46,9 @@ def add_profile_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--workload", default="cnn",
                         help="built-in name, path/to/file.py:function or package.module:function")
     add_cluster_arguments(parser)
-    parser.add_argument("--budget-s", type=positive_float, default=60.0,
-                        help="seconds of probing in all (network 45%%, compute 30%%, codecs 25%%)")
+    parser.add_argument("--budget-s", type=positive_float, default=50.0,
+                        help="seconds of probing (network 45%%, compute 30%%, codecs 25%%); "
+                             "calibration then measures 8 policies for a few steps each")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured compute steps")
     parser.add_argument("--out", type=Path, default=Path("profile.json"), help="profile file to write")
     parser.set_defaults(func=cmd_profile)

@@ -40,6 +40,12 @@ def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
     _network(console, profile)
     _compute(console, profile, top)
     _codecs(console, profile)
+    cal = profile.calibration.get("results", [])
+    if cal:
+        steps = sorted(r["step_s"] for r in cal)
+        console.print(f"calibration: {len(cal)} policies measured on the live job "
+                      f"({steps[0] * 1e3:.0f}-{steps[-1] * 1e3:.0f} ms per step); they fit the "
+                      "cost model's residual")
 
 
 def _network(console: Console, profile: Profile) -> None:

@@ -8,6 +8,7 @@ encode+decode and to measure compression error without any network.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 
@@ -28,20 +29,28 @@ class Comm(ABC):
         self.sent: Counter[str] = Counter()
         # number of collectives issued, by kind
         self.calls: Counter[str] = Counter()
+        # wall seconds spent in collectives, by kind (host time: exact for blocking
+        # backends such as gloo; NCCL returns before the GPU finishes)
+        self.seconds: Counter[str] = Counter()
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+    def _count(self, kind: str, tensor: torch.Tensor, seconds: float) -> None:
         self.sent[kind] += tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
+        self.seconds[kind] += seconds
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks, in place; returns it."""
-        self._count("allreduce", tensor)
-        return self._all_reduce(tensor)
+        start = time.perf_counter()
+        out = self._all_reduce(tensor)
+        self._count("allreduce", tensor, time.perf_counter() - start)
+        return out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor``, stacked: shape ``(world_size, *tensor.shape)``."""
-        self._count("allgather", tensor)
-        return self._all_gather(tensor.contiguous())
+        start = time.perf_counter()
+        out = self._all_gather(tensor.contiguous())
+        self._count("allgather", tensor, time.perf_counter() - start)
+        return out
 
     @abstractmethod
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...

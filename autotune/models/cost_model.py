@@ -136,9 +136,12 @@ class CostModel:
             codec=codec, codec_world=int(profile.codecs.get("world_size", profile.world_size)),
             link_bps=_link_bps(profile), fingerprint=profile.fingerprint, cv_error=cv,
         )
-        pairs = profile.to_dict().get("calibration", {}).get("results", []) if residual else []
+        pairs = list(profile.calibration.get("results", [])) if residual else []
         if len(pairs) >= 3:
-            model.fit_residual([(Policy.from_dict(p["policy"]), p["step_s"]) for p in pairs])
+            model.fit_residual([
+                (None if p.get("policy") is None else Policy.from_dict(p["policy"], source="calibration"),
+                 float(p["step_s"])) for p in pairs
+            ])
         return model
 
     def fit_residual(self, pairs: list[tuple[Policy | None, float]]) -> CostModel:
@@ -152,9 +155,9 @@ class CostModel:
 
     @staticmethod
     def _residual_row(est: StepEstimate) -> list[float]:
-        row = {"simulated_s": est.simulated_s, "compute_s": est.compute_s, "codec_s": est.codec_s,
-               "comm_s": est.comm_s, "exposed_s": est.exposed_comm_s,
-               "collectives": float(est.collectives), "wire_mb": est.wire_bytes / 1e6}
+        row = {"simulated_s": est.simulated_s, "codec_s": est.codec_s, "comm_s": est.comm_s,
+               "threaded_collectives": float(est.threaded_collectives),
+               "threaded_buckets": float(est.threaded_buckets), "half_mb": est.half_bytes / 1e6}
         return [row[k] for k in RESIDUAL_FEATURES]
 
     # --------------------------------------------------------------- predicting

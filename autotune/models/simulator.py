@@ -129,6 +129,8 @@ class BucketEvent:
     wire_bytes: int
     collectives: int
     spans: tuple[tuple[str, str, float, float], ...] = ()  # (track, label, start, end)
+    threaded: bool = False  # reduced on the communication thread (not DDP's allreduce)
+    half_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ class StepEstimate:
     world_size: int
     buckets: tuple[BucketEvent, ...] = field(default=())
     simulated_s: float = 0.0  # the timeline's step before any learned correction
+    threaded_buckets: int = 0  # buckets reduced on the communication thread
+    threaded_collectives: int = 0  # collectives that thread issued
+    half_bytes: int = 0  # bytes reduced as 2-byte floats (summed on the CPU by gloo)
 
     def breakdown(self) -> dict[str, float]:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "codec_s": self.codec_s,
@@ -253,6 +258,9 @@ def simulate(
         exposed_comm_s=exposed, wire_bytes=sum(ev.wire_bytes for ev in events),
         collectives=sum(ev.collectives for ev in events), world_size=world_size,
         buckets=tuple(events), simulated_s=step,
+        threaded_buckets=sum(1 for ev in events if ev.threaded),
+        threaded_collectives=sum(ev.collectives for ev in events if ev.threaded),
+        half_bytes=sum(ev.half_bytes for ev in events),
     )
 
 
@@ -271,7 +279,7 @@ def _channel(
         t = start = max(ready, free)
         spans: list[tuple[str, str, float, float]] = []
         codec_total = comm_total = 0.0
-        wire = calls = 0
+        wire = calls = half = 0
         numel = sum(p.numel for p in members)
         if all(g.spec.name == "none" for g in groups):  # DDP's own allreduce of the bucket
             nbytes = sum(p.numel * p.element_size for p in members)
@@ -286,6 +294,8 @@ def _channel(
                 # half before the collectives (encode), half after (decode)
                 spans.append(("codec", f"encode {label}", t, t + codec / 2))
                 t += codec / 2
+                if g.spec.name in ("fp16", "bf16"):
+                    half += sum(m.nbytes for m in g.messages)
                 for m in g.messages:
                     dt = comm_time(m.collective, m.nbytes, world)
                     spans.append(("comm", f"{m.collective} {label} {m.nbytes / 1e6:.3f} MB", t, t + dt))
@@ -296,7 +306,8 @@ def _channel(
                 spans.append(("codec", f"decode {label}", t, t + codec / 2))
                 t += codec / 2
                 codec_total += codec
+        threaded = not all(g.spec.name == "none" for g in groups)
         events.append(BucketEvent(index, len(members), numel, ready, start, t, codec_total,
-                                  comm_total, wire, calls, tuple(spans)))
+                                  comm_total, wire, calls, tuple(spans), threaded, half))
         free = t
     return events

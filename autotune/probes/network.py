@@ -91,9 +91,12 @@ def _fit(samples: list[dict[str, Any]], collective: str, world_size: int) -> dic
         b, t = max(large)
         slope, intercept = t / b, 0.0
     bandwidth = 1.0 / slope
+    # Latency from the smallest messages only: on a shaped link, messages up to tbf's
+    # burst go faster than the line rate, so larger "small" ones would read negative.
+    smallest = min((s["bytes"] for s in samples), default=0)
     residuals = [
         t - s["bytes"] / bandwidth
-        for s in samples if s["bytes"] <= SMALL_BYTES
+        for s in samples if s["bytes"] == smallest and smallest <= SMALL_BYTES
         for t in s["times_s"]
     ]
     latency = max(0.0, float(np.percentile(residuals, 10))) if residuals else max(0.0, intercept)

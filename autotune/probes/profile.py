@@ -30,7 +30,7 @@ from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_ato
 __all__ = ["PROFILE_VERSION", "Profile", "load_profile"]
 
 PROFILE_VERSION = 1
-_SECTIONS = ("env", "workload", "network", "compute", "codecs")
+_SECTIONS = ("env", "workload", "network", "compute", "codecs", "calibration")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Profile:
     network: Mapping[str, Any]
     compute: Mapping[str, Any]
     codecs: Mapping[str, Any] = field(default_factory=dict)
+    # measured (policy, step time) pairs that fit the cost model's residual
+    calibration: Mapping[str, Any] = field(default_factory=lambda: {"results": []})
     source: str = field(default="profile", compare=False)  # where it was read from
 
     def __post_init__(self) -> None:
@@ -62,9 +64,9 @@ class Profile:
         if data.get("version") != PROFILE_VERSION:
             _fail(source, "version", f"expected {PROFILE_VERSION}, got {data.get('version')!r}")
         for name in _SECTIONS:
-            if name not in data:
+            if name not in data and name != "calibration":  # calibration is optional
                 _fail(source, name, "missing")
-        return cls(**{name: data[name] for name in _SECTIONS}, source=source)
+        return cls(**{name: data[name] for name in _SECTIONS if name in data}, source=source)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": PROFILE_VERSION}
@@ -163,6 +165,14 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
     for key in ("shapes", "errors"):
         if key in codecs:
             v.array(codecs, f"codecs.{key}")
+    cal = v.obj(data, "calibration")
+    for i, row in enumerate(v.array(cal, "calibration.results")):
+        path = f"calibration.results[{i}]"
+        if not isinstance(row, Mapping):
+            _fail(source, path, f"expected an object, got {json_type(row)}")
+        v.number(row, f"{path}.step_s", low=0.0, low_open=True)
+        if row.get("policy") is not None and not isinstance(row["policy"], Mapping):
+            _fail(source, f"{path}.policy", "expected a policy object or null")
 
 
 class _Validator:

@@ -20,10 +20,15 @@ from autotune.progress import Report, rank_reporter
 
 __all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment"]
 
-PHASES = ["network", "compute", "codecs"]
+PHASES = ["network", "compute", "codecs", "calibrate"]
 # Share of the probing budget each phase gets: the network needs the most for large
 # messages on slow links; the codec probe is bounded by the model's distinct shapes.
+# Calibration measures a fixed number of steps (it is not cut by the budget).
 BUDGET_SHARES = {"network": 0.45, "compute": 0.3, "codecs": 0.25}
+# Policies measured for the cost model's residual: the baselines, and a few random mixed
+# policies (their own seed) that spread the residual's features.
+CALIBRATION_RANDOM = 4
+CALIBRATION_SEED = 4242
 # Steps whose gradients the codec probe replays (error feedback needs several).
 CAPTURE_STEPS = 4
 
@@ -57,6 +62,7 @@ def rank_profile(
     steps: int = 10,
     link: str | None = None,
     report: Report | None = None,
+    calibrate: list[dict[str, Any] | None] | str | None = "default",
 ) -> dict[str, Any] | None:
     """Probe the live job; rank 0 returns the profile dict, other ranks None.
 
@@ -66,6 +72,9 @@ def rank_profile(
         steps: measured compute-probe steps.
         link: the emulated link (recorded in the environment), if any.
         report: progress callback (default: protocol lines to a launching parent).
+        calibrate: policies (dicts; None for plain DDP) whose step times are measured for
+            the cost model's residual; ``"default"`` for :func:`calibration_policies`;
+            None or [] to skip.
     """
     from autotune.probes.codecs import probe_codecs
     from autotune.probes.compute import probe_compute
@@ -92,7 +101,11 @@ def rank_profile(
         grads, dist.get_world_size(), budget_s=budget_s * BUDGET_SHARES["codecs"],
         distribute=True,  # each rank measures a share of the grid
     )
-    report("codecs", 1.0)
+    report("calibrate", 0.0)
+    if calibrate == "default":
+        calibrate = calibration_policies(work)
+    calibration = _calibrate(workload, list(calibrate or []), report)
+    report("calibrate", 1.0)
     hosts = len(set(network["hosts"]))
     env = environment(link)
     env.update(hosts=hosts, wall_s=time.perf_counter() - started)
@@ -104,7 +117,39 @@ def rank_profile(
         "network": network,
         "compute": compute,
         "codecs": codecs,
+        "calibration": calibration,
     }
     if rank != 0:
         return None
     return Profile.from_dict(data, source="probed profile").to_dict()
+
+
+def calibration_policies(work: Any) -> list[dict[str, Any] | None]:
+    """Plain DDP, fp16, PowerSGD rank 1 and 4, and a few random mixed policies."""
+    import random
+
+    from autotune.search.sampling import random_policy
+
+    params = [(n, p.numel()) for n, p in work.model.named_parameters() if p.requires_grad]
+    rng = random.Random(CALIBRATION_SEED)
+    out: list[dict[str, Any] | None] = [None]
+    out += [{"version": 1, "default": spec} for spec in (
+        {"compressor": "fp16"}, {"compressor": "powersgd", "rank": 1},
+        {"compressor": "powersgd", "rank": 4})]
+    out += [random_policy(params, rng).to_dict() for _ in range(CALIBRATION_RANDOM)]
+    return out
+
+
+def _calibrate(workload: str, policies: list[dict[str, Any] | None], report: Report) -> dict[str, Any]:
+    """Measured step times of ``policies`` on this job, interleaved."""
+    from autotune.measure import rank_measure
+
+    if not policies:
+        return {"results": []}
+    setups = [{"name": f"c{i}", "kind": "ddp"} if p is None else
+              {"name": f"c{i}", "kind": "policy", "policy": p} for i, p in enumerate(policies)]
+    measured = rank_measure(workload, setups, rounds=2, block=2, warmup=2)
+    return {"results": [
+        {"policy": p, "step_s": r["step_s_median"], "all_s": r["step_s"]}
+        for p, r in zip(policies, measured["results"])
+    ]}

@@ -52,6 +52,8 @@ class BucketRecord:
     bytes_by_compressor: dict[str, int] = field(default_factory=dict)  # by spec label
     start: float = 0.0  # perf_counter at hook entry
     seconds: float = 0.0  # hook entry to completion
+    comm_s: float = 0.0  # of which in collectives (compressed buckets; see Comm.seconds)
+    job_s: float = 0.0  # of which the communication thread worked on it (codec + comm)
 
     @property
     def nbytes(self) -> int:
@@ -201,6 +203,8 @@ class AutotuneState:
 
         def job() -> torch.Tensor:
             comm = self._get_comm()
+            began = time.perf_counter()
+            seconds_before = sum(comm.seconds.values())
             for group in plan.groups:
                 before = Counter(comm.sent)
                 tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
@@ -211,6 +215,8 @@ class AutotuneState:
                 record.bytes_by_compressor[group.label] = (
                     record.bytes_by_compressor.get(group.label, 0) + sum(sent.values())
                 )
+            record.comm_s = sum(comm.seconds.values()) - seconds_before
+            record.job_s = time.perf_counter() - began
             self._finish(record)
             return buffer
 
