@@ -43,6 +43,7 @@ class Setup:
     bucket_cap_mb: float | None = None  # for "ddp" and "hook"; None: DDP's default buckets
     hook: str | None = None  # for kind "hook": "fp16" or "powersgd"
     rank: int = 1  # PowerSGD's matrix approximation rank, for hook "powersgd"
+    online: dict[str, Any] | None = None  # for kind "policy": wrap(online=True, **online)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -107,7 +108,8 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
         from autotune.policies import Policy
         from autotune.runtime import wrap
 
-        model = wrap(module, Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}"))
+        policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
+        model = wrap(module, policy, **({"online": True, **setup.online} if setup.online else {}))
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     return _Runner(setup, model, module, optimizer, note=note)
 

@@ -175,6 +175,12 @@ class Compressor(ABC):
         """Total bytes this rank hands to collectives for one tensor of ``shape``."""
         return sum(self.wire_messages(shape, world_size).values())
 
+    def release(self, name: str) -> torch.Tensor | None:
+        """Forget parameter ``name`` (it moves to another compressor) and return what
+        its error feedback still owed, to be added to its next gradient; None if
+        nothing is owed. Warm starts and counters of ``name`` are dropped."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (error feedback, warm starts, random state); tensors only."""
         return {}

@@ -88,6 +88,10 @@ class Int8(Compressor):
             c_off += n
             s_off += nb
 
+    def release(self, name: str) -> torch.Tensor | None:
+        self.steps.pop(name, None)
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"steps": dict(self.steps)}
 

@@ -38,6 +38,10 @@ class ErrorFeedback:
         if self.enabled:
             self.residuals[name] = compensated - decoded
 
+    def pop(self, name: str) -> torch.Tensor | None:
+        """Remove and return ``name``'s residual (None if it has none)."""
+        return self.residuals.pop(name, None)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.residuals.items()}
 

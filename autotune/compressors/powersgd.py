@@ -120,6 +120,10 @@ class PowerSGD(Compressor):
             if self.config["warm_start"]:
                 self.q[name] = q.clone()
 
+    def release(self, name: str) -> torch.Tensor | None:
+        self.q.pop(name, None)
+        return self.memory.pop(name)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "memory": self.memory.state_dict(),

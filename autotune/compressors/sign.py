@@ -76,6 +76,9 @@ class Sign(Compressor):
             t.copy_(avg.view_as(t))
             offset += nbytes
 
+    def release(self, name: str) -> torch.Tensor | None:
+        return self.memory.pop(name)
+
     def state_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.state_dict()}
 

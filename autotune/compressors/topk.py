@@ -71,6 +71,9 @@ class TopK(Compressor):
             t.copy_(total[start : start + n].view_as(t))
             start += n
 
+    def release(self, name: str) -> torch.Tensor | None:
+        return self.memory.pop(name)
+
     def state_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.state_dict()}
 

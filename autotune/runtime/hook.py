@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -119,6 +119,7 @@ class AutotuneState:
         self.compressors: dict[CompressorSpec, Compressor] = {}
         self._plans: dict[tuple[int, ...], _Plan] = {}
         self.step = 0  # advances when the last bucket of a backward pass is handed over
+        self._carry: dict[str, torch.Tensor] = {}  # residuals owed after a policy switch
         self._comm: GroupComm | None = None  # on a group of its own, made on first use
         self._side_group = self._make_side_group(process_group)
         from autotune.runtime.channel import Channel
@@ -129,6 +130,8 @@ class AutotuneState:
         self._lock = threading.Lock()
         self._records: dict[int, list[BucketRecord]] = {}  # this step's and the last one's
         self.bytes_by_compressor: Counter[str] = Counter()  # since construction
+        # called with every finished BucketRecord (from the thread that finished it)
+        self.listeners: list[Callable[[BucketRecord], None]] = []
 
     @staticmethod
     def _make_side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -140,9 +143,20 @@ class AutotuneState:
     def set_policy(self, policy: Policy) -> None:
         """Apply ``policy`` from the next bucket on; call between steps only.
 
-        Compressors whose spec stays in use keep their state (error feedback, warm
-        starts); the others are dropped with their state.
+        Error-feedback rule (**carry**), the same on every rank: a parameter whose
+        compressor changes hands what its old compressor's error feedback still owed to
+        its next gradient, which then goes out under the new compressor, so no
+        compensation is lost; its other per-parameter state (PowerSGD's warm-start Q,
+        int8's counter) is dropped. Parameters whose compressor stays keep all state.
         """
+        for name in self._names.values():
+            old = self.policy.spec_for(name).canonical()
+            if old == policy.spec_for(name).canonical():
+                continue
+            comp = self.compressors.get(old)
+            owed = comp.release(name) if comp is not None else None
+            if owed is not None:
+                self._carry[name] = owed + self._carry.pop(name, 0)
         self.policy = policy
         self._plans.clear()
         in_use = {s.canonical() for s in policy.compressors()}
@@ -194,6 +208,8 @@ class AutotuneState:
         if bucket.is_last():
             self.step += 1
         buffer = bucket.buffer()
+        if self._carry:
+            self._pay_carry(self._plan(bucket), buffer)
         if step < self.compress_from_step:
             return self._allreduce(buffer, bucket.index(), step, start, None)
         plan = self._plan(bucket)
@@ -221,6 +237,14 @@ class AutotuneState:
             return buffer
 
         return self._channel.submit(job, buffer.device)
+
+    def _pay_carry(self, plan: _Plan, buffer: torch.Tensor) -> None:
+        """Add what a previous compressor's error feedback owed (see set_policy)."""
+        for group in plan.groups:
+            for name, (offset, numel, _) in zip(group.names, group.slices):
+                owed = self._carry.pop(name, None)
+                if owed is not None:
+                    buffer[offset : offset + numel].add_(owed.reshape(-1).to(buffer))
 
     def _get_comm(self) -> GroupComm:
         if self._comm is None:
@@ -255,6 +279,8 @@ class AutotuneState:
                 del self._records[old]
             for label, nbytes in record.bytes_by_compressor.items():
                 self.bytes_by_compressor[label] += nbytes
+        for listener in self.listeners:
+            listener(record)
 
     def last_step_records(self) -> list[BucketRecord]:
         """The buckets of the latest step, by index. Complete when read between steps:
@@ -276,6 +302,7 @@ class AutotuneState:
                 json.dumps(spec.to_dict(), sort_keys=True): comp.state_dict()
                 for spec, comp in self.compressors.items()
             },
+            "carry": {k: v.detach().clone() for k, v in self._carry.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -292,6 +319,7 @@ class AutotuneState:
                 state.get("policy_id"), self.policy.id,
             )
         self.step = int(state["step"])
+        self._carry = {k: v.detach().clone() for k, v in state.get("carry", {}).items()}
         self._plans.clear()
         in_use = {s.canonical() for s in self.policy.compressors()}
         for key, comp_state in state.get("compressors", {}).items():

@@ -14,7 +14,7 @@ separately, as with PyTorch's ``PowerSGDState``: ``model.comm_state.state_dict()
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -42,6 +42,9 @@ class AutotuneDDP(DistributedDataParallel):
         policy: Policy,
         *,
         compress_from_step: int = 2,
+        online: bool = False,
+        profile: Any = None,
+        online_options: Mapping[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         if "bucket_cap_mb" in ddp_kwargs:
@@ -55,6 +58,29 @@ class AutotuneDDP(DistributedDataParallel):
             policy, self.module, self.process_group, compress_from_step=compress_from_step
         )
         self.register_comm_hook(self.comm_state, dispatch_hook)
+        # Online revision is opt-in; its controller (and with it the cost model and the
+        # search) loads only then, keeping the training path light.
+        self.controller: Any = None
+        if online:
+            from autotune.online import Controller, OnlineConfig
+            from autotune.probes.profile import Profile, load_profile
+
+            if profile is None:
+                raise PolicyError("online=True needs profile= (the profile the policy was tuned on, "
+                                  "or any profile of this job): revisions are predicted from it")
+            if not isinstance(profile, Profile):
+                profile = load_profile(profile)
+            self.controller = Controller(self.comm_state, profile,
+                                         OnlineConfig(**dict(online_options or {})), self.process_group)
+        elif online_options:
+            raise PolicyError(f"{', '.join(sorted(online_options))} apply only with online=True")
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # Between steps: where the online controller may switch policies, never inside
+        # a backward pass. Evaluation passes (no grad, or eval mode) are not steps.
+        if self.controller is not None and self.training and torch.is_grad_enabled():
+            self.controller.boundary()
+        return super().forward(*inputs, **kwargs)
 
     @property
     def policy(self) -> Policy:
@@ -65,16 +91,25 @@ class AutotuneDDP(DistributedDataParallel):
 def wrap(
     model: torch.nn.Module,
     policy: Policy | str | os.PathLike[str] | None = None,
-    **ddp_kwargs: Any,
+    *,
+    online: bool = False,
+    profile: Any = None,
+    **kwargs: Any,
 ) -> AutotuneDDP:
     """Wrap ``model`` for data-parallel training under ``policy``.
 
     Args:
         model: the model, already on its device; the process group must be initialised.
         policy: a :class:`Policy`, a path to policy JSON, or None for plain averaging.
-        **ddp_kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
-            ``find_unused_parameters``, ``gradient_as_bucket_view``...), plus
-            ``compress_from_step``.
+        online: revise the policy while training when the cluster changes (see
+            :mod:`autotune.online.controller`); needs ``profile``. Every rank must run
+            the same number of forward passes (no ``join()`` with uneven inputs).
+        profile: with ``online``: a :class:`~autotune.probes.profile.Profile` or path.
+        **kwargs: online knobs (``check_every``, ``threshold``, ``link_threshold``, ``patience``,
+            ``budget_s``, ``trials``, ``min_gain``, ``max_error``, ``pinned``,
+            ``lead_steps``, ``log``: see :class:`~autotune.online.OnlineConfig`),
+            ``compress_from_step``, and any ``DistributedDataParallel`` argument
+            (``device_ids``, ``find_unused_parameters``, ...).
 
     Raises:
         PolicyError: the policy is malformed or names parameters the model lacks.
@@ -83,4 +118,10 @@ def wrap(
         policy = Policy()
     elif not isinstance(policy, Policy):
         policy = load_policy(policy)
-    return AutotuneDDP(model, policy, **ddp_kwargs)
+    online_options = {k: kwargs.pop(k) for k in list(kwargs) if k in _ONLINE_KNOBS}
+    return AutotuneDDP(model, policy, online=online, profile=profile,
+                       online_options=online_options, **kwargs)
+
+
+_ONLINE_KNOBS = frozenset({"check_every", "threshold", "link_threshold", "patience", "budget_s", "trials",
+                           "min_gain", "max_error", "pinned", "lead_steps", "log"})

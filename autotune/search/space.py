@@ -60,14 +60,18 @@ class SearchSpace:
     groups: list[Group]
     specs: dict[str, CompressorSpec]  # label -> spec of every option
     caps: tuple[float, ...] = CAPS
+    pinned: dict[str, CompressorSpec] = field(default_factory=dict)  # fixed by the user
     _group_of: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_profile(
         cls, profile: Profile, choices: Sequence[Mapping[str, Any]] = CHOICES,
-        caps: Sequence[float] = CAPS,
+        caps: Sequence[float] = CAPS, pinned: Mapping[str, Any] | None = None,
     ) -> SearchSpace:
-        """Groups from the profiled parameters; options limited to measured compressors."""
+        """Groups from the profiled parameters; options limited to measured compressors.
+
+        ``pinned`` maps parameter names to compressor specs (dicts or CompressorSpec)
+        that the search must not change."""
         measured = {label_of(s["spec"]) for s in profile.codecs.get("shapes", [])}
         specs = {label_of(c): CompressorSpec.from_dict(c).canonical() for c in choices}
         specs = {k: v for k, v in specs.items() if k in measured or k == "none"}
@@ -85,7 +89,12 @@ class SearchSpace:
             )
             groups.append(Group(key, tuple(names), sum(math.prod(params[n]) for n in names), options))
         groups.sort(key=lambda g: -g.numel)
-        space = cls(params=params, groups=groups, specs=specs, caps=tuple(caps))
+        fixed = {}
+        for name, spec in (pinned or {}).items():
+            if name not in params:
+                raise ProfileError(f"pinned parameter {name!r} is not in the profiled model")
+            fixed[name] = (spec if isinstance(spec, CompressorSpec) else CompressorSpec.from_dict(spec)).canonical()
+        space = cls(params=params, groups=groups, specs=specs, caps=tuple(caps), pinned=fixed)
         space._group_of = {n: g.key for g in groups for n in g.params}
         return space
 
@@ -95,15 +104,34 @@ class SearchSpace:
 
     def policy(self, cap: float, choice: Mapping[str, str], layers: Mapping[str, str] | None = None,
                meta: Mapping[str, Any] | None = None) -> Policy:
-        """A policy from a cap, a label per group, and optional per-layer overrides."""
+        """A policy from a cap, a label per group, and optional per-layer overrides;
+        pinned parameters keep their pinned compressor whatever the choice."""
         per_layer: dict[str, dict[str, Any]] = {}
         for g in self.groups:
             for name in g.params:
+                if name in self.pinned:
+                    spec = self.pinned[name]
+                    if spec.name != "none":
+                        per_layer[name] = spec.to_dict()
+                    continue
                 label = (layers or {}).get(name, choice[g.key])
                 if label != "none":
                     per_layer[name] = self.specs[label].to_dict()
         return Policy.from_dict({"version": 1, "bucket_cap_mb": cap, "layers": per_layer,
                                  "meta": dict(meta or {})})
+
+    def choice_of(self, policy: Policy) -> dict[str, str]:
+        """The group choice closest to ``policy``: each group's most used option (by
+        elements), for seeding a study with an existing policy."""
+        out = {}
+        for g in self.groups:
+            weight: dict[str, int] = {}
+            for name in g.params:
+                label = label_of(policy.spec_for(name))
+                if label in g.options:
+                    weight[label] = weight.get(label, 0) + math.prod(self.params[name])
+            out[g.key] = max(weight, key=weight.__getitem__) if weight else "none"
+        return out
 
     def uniform_choice(self, label: str) -> dict[str, str]:
         """Each group's choice for "``label`` everywhere it applies, else none"."""

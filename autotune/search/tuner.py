@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from autotune.errors import AutotuneError
 from autotune.models.cost_model import CostModel
+from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
 from autotune.probes.profile import Profile
 from autotune.search.space import ErrorModel, SearchSpace
@@ -71,7 +72,7 @@ class TuneResult:
 
 
 def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
-              max_error: float) -> list[Candidate]:
+              max_error: float, what_if: WhatIf | None = None) -> list[Candidate]:
     """The hand-picked set-ups a user would try, predicted exactly."""
     out = []
     specs = {
@@ -84,7 +85,7 @@ def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
     policies += [(name, Policy.from_dict({"version": 1, "default": spec})) for name, spec in specs.items()]
     for name, policy in policies:
         err = errors.of(policy)
-        pred = model.predict(policy).step_s
+        pred = model.predict(policy, what_if).step_s
         out.append(Candidate(name, policy.with_meta(baseline=name), pred, err, err <= max_error))
     return out
 
@@ -100,6 +101,11 @@ def tune(
     refine: bool = True,
     top_k: int = 3,
     model: CostModel | None = None,
+    what_if: WhatIf | None = None,
+    pinned: dict[str, Any] | None = None,
+    caps: tuple[float, ...] | None = None,
+    seeds: list[Policy] | None = None,
+    timeout: float | None = None,
 ) -> TuneResult:
     """Search the best policy for ``profile``.
 
@@ -114,6 +120,11 @@ def tune(
         refine: run the per-layer refinement of the best trial.
         top_k: distinct best trials to keep (``--verify`` measures them).
         model: a fitted cost model (default: fitted from ``profile``).
+        what_if: tune for another cluster (e.g. the link the online controller measured).
+        pinned: parameter name -> compressor spec the search keeps fixed.
+        caps: bucket caps to search (one value pins it).
+        seeds: policies enqueued after the baselines (warm start).
+        timeout: seconds after which the study stops, even before ``trials``.
     """
     import optuna
 
@@ -123,9 +134,14 @@ def tune(
         raise AutotuneError(f"trials must be >= 1, got {trials}")
     started = time.perf_counter()
     model = model or CostModel.fit(profile)
-    space = SearchSpace.from_profile(profile)
+    space = SearchSpace.from_profile(profile, pinned=pinned, **({"caps": caps} if caps else {}))
     errors = ErrorModel(profile)
-    base = baselines(space, model, errors, max_error)
+    base = baselines(space, model, errors, max_error, what_if)
+    if caps is not None or pinned:
+        # baselines outside the pinned settings are shown, but cannot be emitted
+        allowed = {c for c in space.caps}
+        base = [b if b.policy.bucket_cap_mb in allowed and not pinned else
+                Candidate(b.name, b.policy, b.predicted_s, b.error, False) for b in base]
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(
@@ -144,6 +160,10 @@ def tune(
     if not study.trials:
         for params in _baseline_params(space):
             study.enqueue_trial(params, skip_if_exists=True)
+    for seed_policy in seeds or []:
+        cap = seed_policy.bucket_cap_mb if seed_policy.bucket_cap_mb in space.caps else space.caps[0]
+        study.enqueue_trial({"bucket_cap_mb": cap, **space.choice_of(seed_policy)},
+                            skip_if_exists=True)
 
     def objective(trial: optuna.Trial) -> float:
         cap = trial.suggest_categorical("bucket_cap_mb", list(space.caps))
@@ -153,7 +173,7 @@ def tune(
         trial.set_user_attr("error", err)
         # feasible when <= 0: infeasible trials inform the sampler but never win
         trial.set_constraint("error", err - max_error)
-        return model.predict(policy).step_s
+        return model.predict(policy, what_if).step_s
 
     done = [0]
 
@@ -162,7 +182,7 @@ def tune(
         if progress is not None:
             progress(done[0], trials)
 
-    study.optimize(objective, n_trials=trials, callbacks=[callback])
+    study.optimize(objective, n_trials=trials, callbacks=[callback], timeout=timeout)
 
     ranked = _ranked_trials(study, space, max_error)
     if not ranked:
@@ -177,15 +197,15 @@ def tune(
         if policy.id in seen:
             continue
         seen.add(policy.id)
-        top.append(Candidate(f"trial{len(top) + 1}", policy, model.predict(policy).step_s,
+        top.append(Candidate(f"trial{len(top) + 1}", policy, model.predict(policy, what_if).step_s,
                              errors.of(policy), True))
         if len(top) >= top_k:
             break
     best = top[0]
     if refine:
-        best = _refine(space, model, errors, max_error, *ranked[0][:2])
+        best = _refine(space, model, errors, max_error, *ranked[0][:2], what_if=what_if)
     feasible = [b for b in base if b.feasible]
-    best_base = min(feasible, key=lambda b: b.predicted_s)
+    best_base = min(feasible, key=lambda b: b.predicted_s) if feasible else best
     meta = {
         "tool": "autotune tune",
         "seed": seed,
@@ -199,7 +219,7 @@ def tune(
         "baselines": {b.name: {"predicted_step_s": b.predicted_s, "error": b.error,
                                "feasible": b.feasible} for b in base},
     }
-    if best.predicted_s < best_base.predicted_s:
+    if best is best_base or best.predicted_s < best_base.predicted_s:
         chosen, emitted = "tuned", best.policy.with_meta(**meta, chosen="tuned")
     else:
         logger.info("the tuned policy (%.4f s) does not beat %s (%.4f s): emitting the baseline",
@@ -239,14 +259,15 @@ def _ranked_trials(study: Any, space: SearchSpace, max_error: float) -> list[tup
 
 
 def _refine(space: SearchSpace, model: CostModel, errors: ErrorModel, max_error: float,
-            cap: float, choice: dict[str, str]) -> Candidate:
+            cap: float, choice: dict[str, str], what_if: WhatIf | None = None) -> Candidate:
     """Greedy per-layer improvement of one policy, then the best bucket cap for it."""
     layers: dict[str, str] = {n: choice[g.key] for g in space.groups for n in g.params}
-    largest = sorted(space.params, key=lambda n: -math.prod(space.params[n]))[:REFINE_LAYERS]
+    free = [n for n in space.params if n not in space.pinned]
+    largest = sorted(free, key=lambda n: -math.prod(space.params[n]))[:REFINE_LAYERS]
 
     def evaluate(cap_: float, layers_: dict[str, str]) -> tuple[float, float]:
         policy = space.policy(cap_, choice, layers_)
-        return model.predict(policy).step_s, errors.of(policy)
+        return model.predict(policy, what_if).step_s, errors.of(policy)
 
     best_t, best_e = evaluate(cap, layers)
     for _ in range(2):  # passes

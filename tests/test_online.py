@@ -1,0 +1,260 @@
+"""Online revision on real 2-process gloo groups: synchronized switches, the error-feedback
+rule, no flapping under noise, never inside backward, and online=False."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_models import synthetic_profile
+
+import autotune
+from autotune.errors import PolicyError
+from autotune.policies import Policy
+from autotune.workloads import resolve_workload
+
+PSGD = {"version": 1, "default": {"compressor": "powersgd", "rank": 2}}
+NONE = {"version": 1}
+FP16 = {"version": 1, "default": {"compressor": "fp16"}}
+
+
+@pytest.fixture
+def mlp_profile(tmp_path: Path) -> str:
+    path = tmp_path / "profile.json"
+    synthetic_profile("mlp", link_bps=1e9).save(path)
+    return str(path)
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train(model: Any, work: Any, steps: int, opt: torch.optim.Optimizer,
+           each_step: Any = None) -> None:
+    for step in range(steps):
+        x, y = work.make_batch(step)
+        opt.zero_grad()
+        work.loss_fn(model(x), y).backward()
+        opt.step()
+        if each_step is not None:
+            each_step(step)
+
+
+# ------------------------------------------------------------------------ ranks
+def rank_switch_in_lockstep(profile: str, steps: int = 45) -> dict[str, Any]:
+    """Rank 0 proposes policies from another thread at random times; ranks run at
+    different speeds. Everyone must switch at the same step to the same policy."""
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
+                        check_every=3, patience=10**6)
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    rank = dist.get_rank()
+    rng = random.Random(rank)
+    digests: dict[int, str] = {}
+    seen = [ddp.policy.id]
+
+    def each_step(step: int) -> None:
+        time.sleep(rng.uniform(0.0, 0.02) * (1 + rank))  # ranks drift apart in time
+        if ddp.policy.id != seen[-1]:
+            seen.append(ddp.policy.id)
+            digests[ddp.controller.step] = _digest(work.model)
+
+    stop = threading.Event()
+
+    def proposer() -> None:
+        for spec in (PSGD, FP16, NONE, PSGD):
+            if stop.wait(random.Random(7).uniform(0.1, 0.3) + 0.15):
+                return
+            ddp.controller.propose(Policy.from_dict(spec), reason="test")
+
+    thread = threading.Thread(target=proposer, daemon=True)
+    if rank == 0:
+        thread.start()
+    _train(ddp, work, steps, opt, each_step)
+    stop.set()
+    switches = [(e["step"], e["new_policy"]) for e in ddp.controller.events if e["event"] == "switch"]
+    return {"switches": switches, "digests": digests, "final": _digest(work.model)}
+
+
+def rank_ef_carry(profile: str) -> dict[str, Any]:
+    """PowerSGD -> none -> PowerSGD. At the switch to none, every parameter's residual is
+    added to its next gradient: the averaged gradient must equal the mean over ranks of
+    (local gradient + local residual). Back on PowerSGD, memory starts empty."""
+    work = resolve_workload("mlp")
+    plain = copy.deepcopy(work.model)  # same weights, no DDP: the local gradients
+    ddp = autotune.wrap(work.model, Policy.from_dict(PSGD), online=True, profile=profile,
+                        check_every=2, patience=10**6)
+    state, ctl = ddp.comm_state, ddp.controller
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    out: dict[str, Any] = {"checks": []}
+    step = 0
+
+    def one_step() -> None:
+        nonlocal step
+        x, y = work.make_batch(step)
+        opt.zero_grad()
+        work.loss_fn(ddp(x), y).backward()
+        opt.step()
+        step += 1
+
+    def residuals() -> dict[str, torch.Tensor]:
+        return {n: r.clone() for c in state.compressors.values()
+                for n, r in getattr(getattr(c, "memory", None), "residuals", {}).items()}
+
+    for _ in range(5):  # PowerSGD builds up error feedback
+        one_step()
+    psgd_id = state.policy.id
+    if dist.get_rank() == 0:
+        ctl.propose(Policy.from_dict(NONE), reason="test")
+    before = residuals()
+    while True:
+        x, y = work.make_batch(step)
+        opt.zero_grad()
+        output = ddp(x)  # the switch, if due, happens here, before this step's backward
+        if state.policy.id != psgd_id:
+            break
+        work.loss_fn(output, y).backward()
+        opt.step()
+        step += 1
+        before = residuals()
+    owed = {n: r.clone() for n, r in state._carry.items()}
+    out["owed_params"] = len(owed)
+    out["owed_equals_memory"] = set(owed) == set(before) and all(
+        torch.equal(owed[n], before[n]) for n in owed)
+    # the local gradients of this step, from a plain copy with the same weights
+    plain.load_state_dict(work.model.state_dict())
+    plain.zero_grad()
+    work.loss_fn(plain(x), y).backward()
+    work.loss_fn(output, y).backward()  # this backward pays what was owed
+    world = dist.get_world_size()
+    worst = 0.0
+    for (name, p), q in zip(work.model.named_parameters(), plain.parameters()):
+        expected = q.grad + owed.get(name, torch.zeros_like(q.grad)).view_as(q.grad)
+        dist.all_reduce(expected)
+        expected /= world
+        worst = max(worst, float((p.grad - expected).abs().max() / expected.abs().max().clamp_min(1e-12)))
+    out["paid_rel_error"] = worst
+    out["carry_left"] = len(state._carry)
+    opt.step()
+    step += 1
+    out["digest_after_none"] = _digest(work.model)
+    if dist.get_rank() == 0:
+        ctl.propose(Policy.from_dict(PSGD), reason="test")
+    while state.policy.id == Policy.from_dict(NONE).id:
+        one_step()
+    comps = [c for c in state.compressors.values() if c.name == "powersgd"]
+    out["psgd_memory_after_return"] = sum(len(c.memory.residuals) for c in comps)
+    for _ in range(3):
+        one_step()
+    out["digest_final"] = _digest(work.model)
+    out["switches"] = [(e["step"], e["new_policy"]) for e in ctl.events if e["event"] == "switch"]
+    return out
+
+
+def rank_noise_no_revision(profile: str, steps: int = 60) -> dict[str, Any]:
+    """No link change, only +-10 % step-time noise: nothing may be revised."""
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
+                        check_every=3, patience=2, budget_s=2.0, trials=10)
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    rng = random.Random(dist.get_rank() + 11)
+    _train(ddp, work, steps, opt, lambda step: time.sleep(0.03 * rng.uniform(0.9, 1.1)))
+    return {"events": [e["event"] for e in ddp.controller.events], "policy": ddp.policy.id}
+
+
+def rank_never_inside_backward(profile: str, steps: int = 30) -> dict[str, Any]:
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
+                        check_every=2, patience=10**6)
+    backward: list[tuple[float, float]] = []
+    applied: list[float] = []
+    original = ddp.comm_state.set_policy
+
+    def spy(policy: Policy) -> None:
+        applied.append(time.perf_counter())
+        original(policy)
+
+    ddp.comm_state.set_policy = spy  # type: ignore[method-assign]
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    for step in range(steps):
+        if dist.get_rank() == 0 and step in (3, 9, 15):
+            ddp.controller.propose(Policy.from_dict(PSGD if step != 9 else FP16), reason="test")
+        x, y = work.make_batch(step)
+        opt.zero_grad()
+        loss = work.loss_fn(ddp(x), y)
+        start = time.perf_counter()
+        loss.backward()
+        backward.append((start, time.perf_counter()))
+        opt.step()
+    inside = [t for t in applied for a, b in backward if a <= t <= b]
+    return {"applied": len(applied), "inside": len(inside)}
+
+
+def rank_offline(steps: int = 20) -> dict[str, Any]:
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, Policy.from_dict(PSGD))
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    ids = set()
+    _train(ddp, work, steps, opt, lambda step: (ids.add(ddp.policy.id), time.sleep(0.01 * (step % 5))))
+    return {"controller": ddp.controller is None, "policies": len(ids)}
+
+
+# ------------------------------------------------------------------------ tests
+def test_ranks_switch_at_the_same_step_to_the_same_policy(run_ranks, mlp_profile: str) -> None:
+    a, b = run_ranks("test_online:rank_switch_in_lockstep", profile=mlp_profile, timeout=240)
+    assert len(a["switches"]) >= 3, a["switches"]
+    assert a["switches"] == b["switches"]
+    assert a["digests"] == b["digests"]  # bit-identical parameters after each switch
+    assert a["final"] == b["final"]
+
+
+def test_powersgd_none_powersgd_carries_error_feedback_identically(run_ranks, mlp_profile: str) -> None:
+    a, b = run_ranks("test_online:rank_ef_carry", profile=mlp_profile, timeout=240)
+    for r in (a, b):
+        assert r["owed_params"] > 0 and r["owed_equals_memory"]
+        assert r["paid_rel_error"] < 1e-5
+        assert r["carry_left"] == 0
+        assert r["psgd_memory_after_return"] == 0  # back on PowerSGD: memory starts empty
+    assert a["switches"] == b["switches"] and len(a["switches"]) == 2
+    assert a["digest_after_none"] == b["digest_after_none"]
+    assert a["digest_final"] == b["digest_final"]
+
+
+def test_timing_noise_without_a_link_change_causes_no_revision(run_ranks, mlp_profile: str) -> None:
+    for r in run_ranks("test_online:rank_noise_no_revision", profile=mlp_profile, timeout=240):
+        assert not {"drift", "announce", "switch"} & set(r["events"]), r["events"]
+        assert r["policy"] == Policy.from_dict(NONE).id
+
+
+def test_revisions_never_happen_inside_a_backward_pass(run_ranks, mlp_profile: str) -> None:
+    for r in run_ranks("test_online:rank_never_inside_backward", profile=mlp_profile, timeout=240):
+        assert r["applied"] == 3 and r["inside"] == 0
+
+
+def test_online_false_never_revises(run_ranks) -> None:
+    for r in run_ranks("test_online:rank_offline", timeout=240):
+        assert r == {"controller": True, "policies": 1}
+
+
+def rank_online_needs_profile() -> str:
+    work = resolve_workload("mlp")
+    try:
+        autotune.wrap(work.model, online=True)
+    except PolicyError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_online_needs_a_profile(run_ranks) -> None:
+    assert "profile=" in run_ranks("test_online:rank_online_needs_profile", nprocs=1)[0]
