@@ -28,8 +28,9 @@ FP16 = {"version": 1, "default": {"compressor": "fp16"}}
 
 @pytest.fixture
 def mlp_profile(tmp_path: Path) -> str:
+    """A profile whose link is as fast as loopback, where these ranks really run."""
     path = tmp_path / "profile.json"
-    synthetic_profile("mlp", link_bps=1e9).save(path)
+    synthetic_profile("mlp", link_bps=2e10, latency_s=1e-4).save(path)
     return str(path)
 
 
@@ -151,10 +152,19 @@ def rank_ef_carry(profile: str) -> dict[str, Any]:
     out["digest_after_none"] = _digest(work.model)
     if dist.get_rank() == 0:
         ctl.propose(Policy.from_dict(PSGD), reason="test")
-    while state.policy.id == Policy.from_dict(NONE).id:
-        one_step()
-    comps = [c for c in state.compressors.values() if c.name == "powersgd"]
-    out["psgd_memory_after_return"] = sum(len(c.memory.residuals) for c in comps)
+    none_id = state.policy.id
+    while True:
+        x, y = work.make_batch(step)
+        opt.zero_grad()
+        output = ddp(x)
+        if state.policy.id != none_id:  # switched back, before this step's backward
+            comps = [c for c in state.compressors.values() if c.name == "powersgd"]
+            out["psgd_memory_after_return"] = sum(len(c.memory.residuals) for c in comps)
+        work.loss_fn(output, y).backward()
+        opt.step()
+        step += 1
+        if state.policy.id != none_id:
+            break
     for _ in range(3):
         one_step()
     out["digest_final"] = _digest(work.model)
@@ -162,15 +172,16 @@ def rank_ef_carry(profile: str) -> dict[str, Any]:
     return out
 
 
-def rank_noise_no_revision(profile: str, steps: int = 60) -> dict[str, Any]:
+def rank_noise_no_revision(profile: str, steps: int = 80) -> dict[str, Any]:
     """No link change, only +-10 % step-time noise: nothing may be revised."""
     work = resolve_workload("mlp")
     ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
-                        check_every=3, patience=2, budget_s=2.0, trials=10)
+                        budget_s=2.0, trials=10)  # default detection knobs
     opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
     rng = random.Random(dist.get_rank() + 11)
     _train(ddp, work, steps, opt, lambda step: time.sleep(0.03 * rng.uniform(0.9, 1.1)))
-    return {"events": [e["event"] for e in ddp.controller.events], "policy": ddp.policy.id}
+    return {"events": [e["event"] for e in ddp.controller.events], "policy": ddp.policy.id,
+            "detail": [e for e in ddp.controller.events if e["event"] == "drift"]}
 
 
 def rank_never_inside_backward(profile: str, steps: int = 30) -> dict[str, Any]:
@@ -233,7 +244,7 @@ def test_powersgd_none_powersgd_carries_error_feedback_identically(run_ranks, ml
 
 def test_timing_noise_without_a_link_change_causes_no_revision(run_ranks, mlp_profile: str) -> None:
     for r in run_ranks("test_online:rank_noise_no_revision", profile=mlp_profile, timeout=240):
-        assert not {"drift", "announce", "switch"} & set(r["events"]), r["events"]
+        assert not {"drift", "announce", "switch"} & set(r["events"]), r["detail"]
         assert r["policy"] == Policy.from_dict(NONE).id
 
 

@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 _HEADER = 4
 PROBE_BYTES = 512 * 1024  # above tbf's burst on an emulated link, cheap on a real one
 LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwidth
+# A window tells the link's rate only when its transfers were expected to take this
+# long: below it, rank skew and scheduling noise on a busy host swamp the link.
+MIN_SIGNAL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class Controller:
         self._window = _Window()
         self._lock = threading.Lock()
         self._ref: tuple[float, float] | None = None  # (step ratio, link scale) at policy start
+        # checks to skip before taking the reference: the first windows hold DDP's first
+        # iterations (bucket rebuild, compression starting), or steps of the old policy
+        self._settle = 2
         self._strikes = 0
         self._scale = 1.0  # fitted link: measured / predicted collective time
         self._probe_next = False
@@ -223,6 +229,7 @@ class Controller:
         if self.rank == 0:
             with self._lock:
                 self._ref = None  # re-baseline drift detection on the new policy
+                self._settle = 1
                 self._strikes = 0
         logger.info("switched to policy %s at step %d", policy.id, self.step)
 
@@ -239,13 +246,14 @@ class Controller:
         with self._lock:
             self._window.records.append(record)
 
-    def _link_scale(self, window: _Window) -> tuple[float | None, int]:
+    def _link_scale(self, window: _Window) -> tuple[float | None, int, float]:
         """Measured / predicted time of the window's large transfers (None: too little
         data). A plain-DDP bucket waits for the one before it on the link, so its own
         time starts when both it was handed over and the previous one had finished."""
         comm = self.model().comm_time(WhatIf())
         measured = predicted = 0.0
         volume = 0
+        ratios: list[float] = []
         by_step: dict[int, list[BucketRecord]] = {}
         for r in window.records:
             by_step.setdefault(r.step, []).append(r)
@@ -257,18 +265,29 @@ class Controller:
                 free = max(free, end)
                 if r.nbytes < LARGE_BYTES or seconds <= 0:
                     continue
-                for kind, nbytes in r.bytes_by_collective.items():
-                    predicted += comm(kind, nbytes, self.world)
+                expected = sum(comm(kind, nbytes, self.world)
+                               for kind, nbytes in r.bytes_by_collective.items())
+                predicted += expected
                 measured += seconds
                 volume += r.nbytes
+                ratios.append(seconds / max(expected, 1e-12))
         own = volume
         for nbytes, seconds in window.probes:
-            predicted += comm("allreduce", nbytes, self.world)
+            expected = comm("allreduce", nbytes, self.world)
+            predicted += expected
             measured += seconds
             volume += nbytes
+            ratios.append(seconds / max(expected, 1e-12))
         if volume < LARGE_BYTES or predicted <= 0:
-            return None, own
-        return measured / predicted, own
+            return None, own, predicted
+        ref_scale = self._ref[1] if self._ref is not None else self._scale
+        if predicted * ref_scale < MIN_SIGNAL_S:
+            # transfers expected this short tell rank skew and scheduling noise, not
+            # the link (what they measure only ever grows with skew)
+            return None, own, predicted
+        # the fastest transfers tell the link: a collective also waits for late peers
+        # (rank skew), which only ever adds time
+        return min(ratios), own, predicted
 
     def _decide(self) -> tuple[bytes, int]:
         """Rank 0 at a check: update drift state; return a policy to announce, if any."""
@@ -276,7 +295,7 @@ class Controller:
         with self._lock:
             window, self._window = self._window, _Window()
             proposal, self._proposal = self._proposal, None
-        scale, own = self._link_scale(window)
+        scale, own, _ = self._link_scale(window)
         # probe at the next check when the policy itself moves too little data
         self._probe_next = own < LARGE_BYTES
         if scale is not None:
@@ -296,7 +315,10 @@ class Controller:
         predicted = model.predict(self.state.policy).step_s
         ratio = measured / predicted
         if self._ref is None:
-            self._ref = (ratio, self._scale)
+            if self._settle > 0:
+                self._settle -= 1
+            else:
+                self._ref = (ratio, self._scale)
             return b"", 0
         ref_ratio, ref_scale = self._ref
         step_dev = abs(ratio / ref_ratio - 1)
@@ -356,6 +378,7 @@ class Controller:
             self._log({"event": "keep", "step": self.step, "policy": current.id, **info})
             with self._lock:
                 self._ref = None  # the change is understood: re-baseline on it
+                self._settle = 0
 
     # ----------------------------------------------------------------- logging
     def _log(self, event: dict[str, Any]) -> None:

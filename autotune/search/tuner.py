@@ -234,10 +234,12 @@ def _baseline_params(space: SearchSpace) -> list[dict[str, Any]]:
     """The baselines in the study's own terms, so TPE starts from them."""
     out = []
     for cap in (1.0, 5.0, 25.0, 100.0):
-        out.append({"bucket_cap_mb": cap, **space.uniform_choice("none")})
+        if cap in space.caps:
+            out.append({"bucket_cap_mb": cap, **space.uniform_choice("none")})
+    cap = 25.0 if 25.0 in space.caps else space.caps[0]
     for label in ("fp16", "powersgd", "powersgd(rank=4)"):
         if label in space.specs:
-            out.append({"bucket_cap_mb": 25.0, **space.uniform_choice(label)})
+            out.append({"bucket_cap_mb": cap, **space.uniform_choice(label)})
     return out
 
 
