@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=200)
     started = time.time()
-    knobs = {"check_every": 5, "patience": 2, "threshold": 0.3, "budget_s": 10.0, "trials": 60}
+    knobs = {"check_every": 5, "patience": 2, "threshold": 0.5, "budget_s": 10.0, "trials": 60}
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, args.fast) as cluster:
         console.print(f"offline: profile and tune at {args.fast} and at {args.slow}")
         fast_profile = _profile(cluster, args.workload, args.fast)

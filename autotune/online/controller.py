@@ -73,8 +73,9 @@ class OnlineConfig:
         check_every: steps between checks; each check costs every rank one tiny
             broadcast. Smaller reacts faster; 5-20 is typical.
         threshold: relative change of measured/predicted step time that counts as
-            drift. Keep it above the step-time noise (0.3 is safe where CPU speed drifts
-            by 10-20 %).
+            drift. Keep it above the step-time noise: CPU speed here drifts by up to
+            1.5x for seconds at a time, hence 0.5; a link change that matters moves the
+            step far more, or shows in the link signal.
         link_threshold: relative change of the fitted link rate that counts as drift
             (1.0: the link got twice as fast or slow); collective times on a loaded
             host are noisier than step times, and a link change that matters is large.
@@ -89,7 +90,7 @@ class OnlineConfig:
     """
 
     check_every: int = 5
-    threshold: float = 0.3
+    threshold: float = 0.5
     link_threshold: float = 1.0
     patience: int = 2
     budget_s: float = 10.0
