@@ -8,25 +8,15 @@ person writing a policy would do.
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from autotune.policies import Policy
+from autotune.probes.codecs import DEFAULT_GRID
 
 __all__ = ["CHOICES", "BUCKET_CAPS_MB", "random_policy"]
 
-CHOICES: tuple[dict[str, Any], ...] = (
-    {"compressor": "none"},
-    {"compressor": "fp16"},
-    {"compressor": "bf16"},
-    {"compressor": "powersgd", "rank": 1},
-    {"compressor": "powersgd", "rank": 2},
-    {"compressor": "powersgd", "rank": 4},
-    {"compressor": "powersgd", "rank": 8},
-    {"compressor": "topk", "ratio": 0.01},
-    {"compressor": "topk", "ratio": 0.1},
-    {"compressor": "int8"},
-    {"compressor": "sign"},
-)
+# What is searched is what the codec probe measures: one list, kept there.
+CHOICES: tuple[Mapping[str, Any], ...] = DEFAULT_GRID
 BUCKET_CAPS_MB = (1.0, 5.0, 10.0, 25.0, 50.0)
 SMALL = 16_384  # elements: below this, compression has nothing to gain
 
