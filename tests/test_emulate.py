@@ -246,7 +246,14 @@ def test_tcp_runs_at_the_shaped_rate_each_way_and_follows_set_link(
 ) -> None:
     nominal = 100e6
     with EmulatedCluster(2, "100mbit", name_prefix=no_leak) as cluster:
-        # Both directions at once: each host's NIC is full duplex.
+        # Each direction alone runs at the shaped rate (TCP/IP headers cost ~4%).
+        for src, dst in ((0, 1), (1, 0)):
+            rate = measure_tcp_rate(cluster, src, dst, 12 << 20)
+            assert 0.85 <= rate / nominal <= 1.0, ((src, dst), rate)
+
+        # Both directions at once: each NIC is full duplex, so together they carry far
+        # more than one link's rate. Each flow's ACKs wait in the same tbf queue as the
+        # other flow's data (as on a real NIC), which can cost one of them up to ~20%.
         rates: dict[tuple[int, int], float] = {}
 
         def measure(src: int, dst: int) -> None:
@@ -257,8 +264,8 @@ def test_tcp_runs_at_the_shaped_rate_each_way_and_follows_set_link(
             t.start()
         for t in threads:
             t.join()
-        for pair, rate in rates.items():
-            assert 0.85 <= rate / nominal <= 1.0, (pair, rate)
+        assert all(0.6 <= rate / nominal <= 1.0 for rate in rates.values()), rates
+        assert sum(rates.values()) / nominal >= 1.5, rates
 
         # Ranks on one host talk over its loopback, which is not shaped.
         assert measure_tcp_rate(cluster, 0, 0, 64 << 20) > 3 * nominal
