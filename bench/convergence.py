@@ -6,15 +6,24 @@ budgets (the default among them); train plain DDP and each tuned policy from the
 initial weights for the same number of epochs, evaluating held-out accuracy after every
 epoch. Reports final accuracy (target: the default budget's policy within 1 point of
 plain DDP), and wall time to reach a target accuracy (ratio to plain DDP).
+
+digits' 26 K parameters make compression pointless on the live link, so the tuner
+rightly picks near-lossless fp16 under every budget. To test the budgets themselves,
+"stress" rows tune for a what-if link slow enough (``--stress-link``, 1 Mbit) that the
+search takes all the compression each budget allows, and train those policies on the
+same live link.
 Needs root. Writes JSON and prints a table.
 
-    python bench/convergence.py [--epochs 12] [--budgets 0.3,0.6,0.85,0.95,1.5]
+    python bench/convergence.py [--epochs 12] [--budgets 0.3,0.45,0.6,0.85,1.5]
+                                [--stress-link 1mbit] [--seeds 0,1,2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,11 +35,13 @@ from rich.table import Table
 
 from autotune.emulate import EmulatedCluster, parse_link
 from autotune.launch import launch
+from autotune.models.simulator import WhatIf
 from autotune.probes.profile import Profile
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
 
-def rank_train(policy: dict[str, Any] | None, epochs: int, lr: float = 0.1) -> dict[str, Any]:
+def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
+               lr: float = 0.1) -> dict[str, Any]:
     """Train digits under ``policy`` (None: plain DDP); accuracy and time per epoch."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -41,11 +52,12 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, lr: float = 0.1) -> d
     from autotune.workloads import digits
 
     set_rank_threads()
-    work = digits()
+    work = digits(seed=seed)
     model = (DistributedDataParallel(work.model) if policy is None
              else autotune.wrap(work.model, Policy.from_dict(policy)))
     opt = torch.optim.SGD(work.model.parameters(), lr=lr, momentum=0.9)
-    steps_per_epoch = 1437 // (32 * dist.get_world_size())  # training split / global batch
+    # digits' training split (1797 images, a quarter held out) over the global batch.
+    steps_per_epoch = (1797 - math.ceil(0.25 * 1797)) // (32 * dist.get_world_size())
     accuracy, seconds = [], []
     elapsed = 0.0
     step = 0
@@ -64,6 +76,11 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, lr: float = 0.1) -> d
     return {"accuracy": accuracy, "train_s": seconds, "steps": step}
 
 
+def _label(spec: Any) -> str:
+    params = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in spec.params)
+    return f"{spec.name}({params})" if params else spec.name
+
+
 def _time_to(target: float, run: dict[str, Any]) -> float | None:
     for acc, t in zip(run["accuracy"], run["train_s"]):
         if acc >= target:
@@ -75,55 +92,87 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--budgets", default=f"0.3,0.6,{DEFAULT_MAX_ERROR},0.95,1.5")
+    parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in sorted({0.3, 0.45, DEFAULT_MAX_ERROR, 0.85, 1.5})))
+    parser.add_argument("--stress-link", default="1mbit",
+                        help="what-if link the stress rows are tuned for ('' for none)")
+    parser.add_argument("--seeds", default="0,1,2", help="training seeds, paired across runs")
     parser.add_argument("--target", type=float, default=0.93, help="accuracy to time")
     parser.add_argument("--out", type=Path, default=Path("bench/results/convergence.json"))
     args = parser.parse_args(argv)
     console = Console(width=200)
     budgets = [float(b) for b in args.budgets.split(",")]
-    runs: dict[str, dict[str, Any]] = {}
-    policies: dict[str, Any] = {}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    policies: dict[str, Any] = {"ddp": {"policy": None}}
     with EmulatedCluster(2, parse_link(args.rate)) as cluster:
         profile = Profile.from_dict(launch(
             "autotune.probes.run:rank_profile", placement=cluster, timeout=1800,
             kwargs={"workload": "digits", "budget_s": 30.0, "link": args.rate},
         )[0])
-        runs["ddp"] = launch("convergence:rank_train", placement=cluster, timeout=1800,
-                             kwargs={"policy": None, "epochs": args.epochs})[0]
-        for budget in budgets:
-            result = tune(profile, max_error=budget, trials=150, seed=0)
-            name = f"tuned@{budget:g}" + (" (default)" if budget == DEFAULT_MAX_ERROR else "")
+        stress = (WhatIf(bandwidth_bps=parse_link(args.stress_link).rate_bps)
+                  if args.stress_link else None)
+        configs = [(f"tuned@{b:g}", b, None) for b in budgets]
+        if stress is not None:
+            configs += [(f"stress@{b:g}", b, stress) for b in budgets]
+        for name, budget, what_if in configs:
+            result = tune(profile, max_error=budget, trials=150, seed=0, what_if=what_if)
+            name += " (default)" if budget == DEFAULT_MAX_ERROR else ""
+            used = sorted({_label(spec) for spec in
+                           (result.policy.default, *result.policy.layers.values())})
             policies[name] = {"policy": result.policy.to_dict(), "chosen": result.chosen,
+                              "compressors": "+".join(used),
                               "error": result.policy.meta["error"],
                               "predicted_s": result.policy.meta["predicted_step_s"]}
-            runs[name] = launch("convergence:rank_train", placement=cluster, timeout=1800,
-                                kwargs={"policy": result.policy.to_dict(), "epochs": args.epochs})[0]
-            console.print(f"{name}: final accuracy {runs[name]['accuracy'][-1]:.3f}")
-    base = runs["ddp"]
+        # Seed by seed, every configuration in turn (A B C A B C): the seed changes the
+        # data split, the initial weights and the shuffling; runs of one seed are paired.
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+        for seed in seeds:
+            for name, entry in policies.items():
+                run = launch("convergence:rank_train", placement=cluster, timeout=1800,
+                             kwargs={"policy": entry["policy"], "epochs": args.epochs,
+                                     "seed": seed})[0]
+                runs[name].append(run)
+                console.print(f"seed {seed} {name}: final accuracy {run['accuracy'][-1]:.3f}")
     rows = []
-    for name, run in runs.items():
-        t_target = _time_to(args.target, run)
-        t_base = _time_to(args.target, base)
+    for name, seeded in runs.items():
+        finals = [run["accuracy"][-1] for run in seeded]
+        deltas = [100 * (run["accuracy"][-1] - base["accuracy"][-1])
+                  for run, base in zip(seeded, runs["ddp"])]
+        ratios = []
+        for run, base in zip(seeded, runs["ddp"]):
+            t_run, t_base = _time_to(args.target, run), _time_to(args.target, base)
+            ratios.append(t_run / t_base if t_run and t_base else None)
+        reached = [r for r in ratios if r is not None]
+        entry = {k: v for k, v in policies[name].items() if k != "policy" or v is not None}
         rows.append({
-            "name": name, "final_accuracy": run["accuracy"][-1],
-            "vs_ddp_points": 100 * (run["accuracy"][-1] - base["accuracy"][-1]),
-            "train_s": run["train_s"][-1], "time_to_target_s": t_target,
-            "time_to_target_ratio": (t_target / t_base) if t_target and t_base else None,
-            **policies.get(name, {}), "curve": run["accuracy"],
+            "name": name, "final_accuracy_mean": statistics.mean(finals),
+            "vs_ddp_points_mean": statistics.mean(deltas), "vs_ddp_points_worst": min(deltas),
+            "train_s_median": statistics.median(run["train_s"][-1] for run in seeded),
+            "time_to_target_ratio_median": statistics.median(reached) if reached else None,
+            "target_reached": f"{len(reached)}/{len(seeded)}",
+            **entry, "runs": seeded,
         })
     out = {"benchmark": "convergence", "workload": "digits", "rate": args.rate, "epochs": args.epochs,
+           "seeds": seeds, "stress_link": args.stress_link,
            "target_accuracy": args.target, "default_max_error": DEFAULT_MAX_ERROR, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    table = Table(title=f"digits, 2 hosts at {args.rate}, {args.epochs} epochs, same initial weights")
-    for col in ("run", "policy error", "chosen", "final accuracy", "vs DDP (points)", "train s",
-                f"s to {args.target:.0%}", "ratio to DDP"):
-        table.add_column(col, justify="left" if col in ("run", "chosen") else "right")
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(args.out)
+    table = Table(title=f"digits, 2 hosts at {args.rate}, {args.epochs} epochs, seeds {args.seeds}"
+                        f" (paired: same split, weights and shuffling per seed)")
+    for col in ("run", "policy error", "chosen", "compressors", "final accuracy (mean)",
+                "vs DDP points (mean)", "vs DDP points (worst)", "train s (median)",
+                f"time to {args.target:.0%} / DDP (median)"):
+        table.add_column(col, justify="left" if col in ("run", "chosen", "compressors") else "right")
     for r in rows:
+        ratio = r["time_to_target_ratio_median"]
         table.add_row(r["name"], f"{r['error']:.3f}" if "error" in r else "0", r.get("chosen", ""),
-                      f"{r['final_accuracy']:.3f}", f"{r['vs_ddp_points']:+.1f}", f"{r['train_s']:.1f}",
-                      f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] else "not reached",
-                      f"{r['time_to_target_ratio']:.2f}" if r["time_to_target_ratio"] else "")
+                      r.get("compressors", ""), f"{r['final_accuracy_mean']:.3f}",
+                      f"{r['vs_ddp_points_mean']:+.1f}", f"{r['vs_ddp_points_worst']:+.1f}",
+                      f"{r['train_s_median']:.1f}",
+                      (f"{ratio:.2f}" if ratio is not None else "not reached")
+                      + ("" if r["target_reached"] == f"{len(seeds)}/{len(seeds)}"
+                         else f" ({r['target_reached']} reached)"))
     console.print(table)
     console.print(f"wrote {args.out}")
     return 0
