@@ -100,21 +100,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tuple[Any, dict[str, Any]]:
-    from autotune.search.tuner import Candidate
-    from autotune.search.verify import verify, with_verification
+    from autotune.search.verify import candidates, verify_result
 
     env = profile.env
     args.workload = args.workload or profile.workload.get("spec") or profile.workload["name"]
     args.hosts = args.hosts or (int(env["hosts"]) if env.get("link") else 1)
     args.nproc_per_node = args.nproc_per_node or max(1, int(env["world_size"]) // args.hosts)
     args.link = args.link or env.get("link")
-    feasible = sorted((b for b in result.baselines if b.feasible), key=lambda b: b.predicted_s)
-    tuned = [Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)]
-    tuned += [c for c in result.top if c.policy.id != result.tuned.policy.id][: max(0, args.verify - 1)]
-    candidates = tuned + feasible[:2]
-    with placement(args) as where, out.status(f"verifying {len(candidates)} candidates on the live job"):
-        winner, report = verify(candidates, args.workload, where)
-    return with_verification(result.policy, winner, report), report
+    count = len(candidates(result, args.verify))
+    with placement(args) as where, out.status(f"verifying {count} candidates on the live job"):
+        return verify_result(result, args.verify, args.workload, where)
 
 
 def _print(out: Any, result: Any, policy: Any, verified: dict[str, Any] | None) -> None:

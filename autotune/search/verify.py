@@ -12,9 +12,27 @@ from typing import Any, Sequence
 
 from autotune.launch import Placement, launch
 from autotune.policies import Policy
-from autotune.search.tuner import Candidate
+from autotune.search.tuner import Candidate, TuneResult
 
-__all__ = ["verify"]
+__all__ = ["candidates", "verify", "verify_result", "with_verification"]
+
+
+def candidates(result: TuneResult, k: int) -> list[Candidate]:
+    """The tuned policy, the next ``k - 1`` best distinct trials, and the two baselines
+    predicted fastest within the error budget."""
+    feasible = sorted((b for b in result.baselines if b.feasible), key=lambda b: b.predicted_s)
+    tuned = [Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)]
+    tuned += [c for c in result.top if c.policy.id != result.tuned.policy.id][: max(0, k - 1)]
+    return tuned + feasible[:2]
+
+
+def verify_result(
+    result: TuneResult, k: int, workload: str, placement: Placement,
+) -> tuple[Policy, dict[str, Any]]:
+    """Measure :func:`candidates` of ``result`` and return the winner's policy (with the
+    tuner's meta and the measurements) and the report."""
+    winner, report = verify(candidates(result, k), workload, placement)
+    return with_verification(result.policy, winner, report), report
 
 
 def verify(
