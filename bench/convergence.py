@@ -36,7 +36,7 @@ from rich.table import Table
 from autotune.emulate import EmulatedCluster, parse_link
 from autotune.launch import launch
 from autotune.models.simulator import WhatIf
-from autotune.probes.profile import Profile
+from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
 
@@ -104,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     policies: dict[str, Any] = {"ddp": {"policy": None}}
     with EmulatedCluster(2, parse_link(args.rate)) as cluster:
-        profile = Profile.from_dict(launch(
-            "autotune.probes.run:rank_profile", placement=cluster, timeout=1800,
-            kwargs={"workload": "digits", "budget_s": 30.0, "link": args.rate},
-        )[0])
+        profile = profile_job(cluster, workload="digits", budget_s=30.0, link=args.rate)
         stress = (WhatIf(bandwidth_bps=parse_link(args.stress_link).rate_bps)
                   if args.stress_link else None)
         configs = [(f"tuned@{b:g}", b, None) for b in budgets]

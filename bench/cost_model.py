@@ -36,7 +36,7 @@ from autotune.emulate import EmulatedCluster, parse_link
 from autotune.launch import launch
 from autotune.models.cost_model import CostModel
 from autotune.policies import Policy
-from autotune.probes.profile import Profile
+from autotune.probes.run import profile_job
 from autotune.search.sampling import random_policy
 from autotune.workloads import resolve_workload
 
@@ -113,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         with EmulatedCluster(2, parse_link(rate)) as cluster:
             for workload in args.workloads.split(","):
                 t0 = time.time()
-                profile = Profile.from_dict(launch(
-                    "autotune.probes.run:rank_profile", placement=cluster, timeout=1800,
-                    kwargs={"workload": workload, "budget_s": args.budget_s, "link": rate,
-                            "calibrate": _calibration(workload, 8, args.seed + 4242)},
-                )[0])
+                profile = profile_job(cluster, workload=workload, budget_s=args.budget_s, link=rate,
+                                      calibrate=_calibration(workload, 8, args.seed + 4242))
                 timeline = CostModel.fit(profile, residual=False)
                 model = CostModel.fit(profile)
                 setups = _setups(workload, args.policies, args.seed)

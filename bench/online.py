@@ -31,7 +31,7 @@ from rich.table import Table
 
 from autotune.emulate import EmulatedCluster
 from autotune.launch import launch
-from autotune.probes.profile import Profile
+from autotune.probes.run import profile_job
 from autotune.search.tuner import tune
 
 STEP_PREFIX = "@@step "
@@ -70,11 +70,6 @@ def rank_online(workload: str, policy: dict[str, Any], profile: str, steps: int,
     return {"step_s": t.tolist(), "policy": policies, "events": ddp.controller.events}
 
 
-def _profile(cluster: EmulatedCluster, workload: str, link: str) -> Profile:
-    return Profile.from_dict(launch("autotune.probes.run:rank_profile", placement=cluster, timeout=1800,
-                                    kwargs={"workload": workload, "budget_s": 40.0, "link": link})[0])
-
-
 def _measure(cluster: EmulatedCluster, workload: str, setups: list[dict[str, Any]],
              rounds: int, block: int) -> dict[str, list[float]]:
     result = launch("autotune.measure:rank_measure", placement=cluster, timeout=3600,
@@ -97,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     knobs = {"check_every": 5, "patience": 2, "threshold": 0.5, "budget_s": 10.0, "trials": 60}
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, args.fast) as cluster:
         console.print(f"offline: profile and tune at {args.fast} and at {args.slow}")
-        fast_profile = _profile(cluster, args.workload, args.fast)
+        fast_profile = profile_job(cluster, workload=args.workload, budget_s=40.0, link=args.fast)
         fast_policy = tune(fast_profile, seed=0).policy
         cluster.set_link(args.slow)
-        slow_profile = _profile(cluster, args.workload, args.slow)
+        slow_profile = profile_job(cluster, workload=args.workload, budget_s=40.0, link=args.slow)
         slow_policy = tune(slow_profile, seed=0).policy
         cluster.set_link(args.fast)
         profile_path = str(Path(tmp) / "profile.json")

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from autotune.emulate import EmulatedCluster, parse_link
 from autotune.launch import launch
-from autotune.probes.profile import Profile
+from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 from autotune.search.verify import verify_result
 
@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         with EmulatedCluster(2, parse_link(rate)) as cluster:
             for workload in args.workloads.split(","):
                 t0 = time.perf_counter()
-                profile = Profile.from_dict(launch(
-                    "autotune.probes.run:rank_profile", placement=cluster, timeout=1800,
-                    kwargs={"workload": workload, "budget_s": args.budget_s, "link": rate},
-                )[0])
+                profile = profile_job(cluster, workload=workload, budget_s=args.budget_s, link=rate)
                 t1 = time.perf_counter()
                 result = tune(profile, trials=args.trials, seed=0, top_k=max(1, args.verify))
                 policy, verified = result.policy, None

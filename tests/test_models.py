@@ -70,7 +70,7 @@ def synthetic_profile(workload: str = "cnn", link_bps: float = 1e9, world: int =
             shapes.append({"spec": spec, "shape": list(shape), "numel": n,
                            "encode_decode_s": 1e-5 + n * (0 if spec["compressor"] == "none" else 2e-9),
                            "wire_bytes": comp.wire_bytes(shape, world)})
-        for name, p in params:
+        for name, _ in params:
             errors.append({"spec": spec, "param": name, "rel_error": SYNTHETIC_ERROR[comp.spec.label()],
                            "cum_error": SYNTHETIC_ERROR[comp.spec.label()]})
     return Profile.from_dict({

@@ -84,9 +84,9 @@ def check_out_path(path: Path) -> None:
 
 def take_profile(args: argparse.Namespace) -> Any:
     """Probe the job ``args`` describes (workload, cluster, budget, steps); a Profile."""
-    from autotune.launch import init_from_env, launch, under_torchrun
+    from autotune.launch import init_from_env, under_torchrun
     from autotune.probes.profile import Profile
-    from autotune.probes.run import PHASES, rank_profile
+    from autotune.probes.run import PHASES, profile_job, rank_profile
     from autotune.progress import Bars
     from autotune.workloads import resolve_workload
 
@@ -104,15 +104,12 @@ def take_profile(args: argparse.Namespace) -> Any:
         with Bars(out, PHASES) as bars:
             data = rank_profile(**kwargs, report=bars.report)
             bars.finish()
-    else:
-        with placement(args) as where, Bars(out, PHASES) as bars:
-            data = launch(
-                "autotune.probes.run:rank_profile", kwargs=kwargs, placement=where,
-                timeout=max(600.0, 10 * args.budget_s), on_line=bars.on_line,
-                env={"AUTOTUNE_PROGRESS": "stdout"},
-            )[0]
-            bars.finish()
-    return Profile.from_dict(data, source="probed profile")
+        return Profile.from_dict(data, source="probed profile")
+    with placement(args) as where, Bars(out, PHASES) as bars:
+        profile = profile_job(where, timeout=max(600.0, 10 * args.budget_s),
+                              on_line=bars.on_line, env={"AUTOTUNE_PROGRESS": "stdout"}, **kwargs)
+        bars.finish()
+    return profile
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -10,15 +10,15 @@ import datetime
 import os
 import platform
 import time
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from autotune.launch import set_rank_threads
+from autotune.launch import Placement, launch, set_rank_threads
 from autotune.progress import Report, rank_reporter
 
-__all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment"]
+__all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment", "profile_job"]
 
 PHASES = ["network", "compute", "codecs", "calibrate"]
 # Share of the probing budget each phase gets: the network needs the most for large
@@ -153,3 +153,20 @@ def _calibrate(workload: str, policies: list[dict[str, Any] | None], report: Rep
         {"policy": p, "step_s": r["step_s_median"], "all_s": r["step_s"]}
         for p, r in zip(policies, measured["results"])
     ]}
+
+
+def profile_job(
+    placement: Placement,
+    *,
+    timeout: float = 1800.0,
+    on_line: Callable[[int, str], bool] | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Start the ranks ``placement`` describes, run :func:`rank_profile` (``kwargs``) on
+    each, and return rank 0's validated :class:`~autotune.probes.profile.Profile`."""
+    from autotune.probes.profile import Profile
+
+    data = launch("autotune.probes.run:rank_profile", kwargs=kwargs, placement=placement,
+                  timeout=timeout, on_line=on_line, env=env)[0]
+    return Profile.from_dict(data, source="probed profile")
