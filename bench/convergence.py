@@ -34,6 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.emulate import EmulatedCluster, parse_link
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.models.simulator import WhatIf
 from autotune.probes.run import profile_job
@@ -76,11 +78,6 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
     return {"accuracy": accuracy, "train_s": seconds, "steps": step}
 
 
-def _label(spec: Any) -> str:
-    params = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in spec.params)
-    return f"{spec.name}({params})" if params else spec.name
-
-
 def _time_to(target: float, run: dict[str, Any]) -> float | None:
     for acc, t in zip(run["accuracy"], run["train_s"]):
         if acc >= target:
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, budget, what_if in configs:
             result = tune(profile, max_error=budget, trials=150, seed=0, what_if=what_if)
             name += " (default)" if budget == DEFAULT_MAX_ERROR else ""
-            used = sorted({_label(spec) for spec in
+            used = sorted({spec.label() for spec in
                            (result.policy.default, *result.policy.layers.values())})
             policies[name] = {"policy": result.policy.to_dict(), "chosen": result.chosen,
                               "compressors": "+".join(used),
@@ -152,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
            "seeds": seeds, "stress_link": args.stress_link,
            "target_accuracy": args.target, "default_max_error": DEFAULT_MAX_ERROR, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(args.out)
+    write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
     table = Table(title=f"digits, 2 hosts at {args.rate}, {args.epochs} epochs, seeds {args.seeds}"
                         f" (paired: same split, weights and shuffling per seed)")
     for col in ("run", "policy error", "chosen", "compressors", "final accuracy (mean)",

@@ -33,6 +33,8 @@ from rich.table import Table
 from scipy.stats import spearmanr
 
 from autotune.emulate import EmulatedCluster, parse_link
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.models.cost_model import CostModel
 from autotune.policies import Policy
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{cell['calibrated']['spearman']:.3f} ({cell['wall_s']:.0f} s)",
                               highlight=False)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"benchmark": "cost_model", "cells": cells}, indent=1))
+                write_atomic(args.out, json.dumps({"benchmark": "cost_model", "cells": cells}, indent=1),
+                             AutotuneError, "benchmark results")
 
     def pooled(select: Any, key: str) -> dict[str, float]:
         rows = [r for c in cells if select(c) for r in c["rows"]]
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     out = {"benchmark": "cost_model", "args": vars(args) | {"out": str(args.out)},
            "summary": summary, "cells": cells, "wall_s": time.time() - started}
-    args.out.write_text(json.dumps(out, indent=1))
+    write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
 
     table = Table(title="cost model: predicted vs measured step time (2 emulated hosts); "
                         "calibrated = the full model with its residual")

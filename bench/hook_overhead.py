@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune import compressors
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.policies import Policy
 from autotune.workloads import resolve_workload
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.time() - started,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_atomic(args.out, json.dumps(out, indent=2), AutotuneError, "benchmark results")
 
     t1 = Table(title=f"hook overhead ({args.workload}, 2 ranks, {args.rounds}x{args.block} steps each, interleaved)")
     for col in ("set-up", "median step s", "ratio to DDP"):

@@ -30,6 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.emulate import EmulatedCluster
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.probes.run import profile_job
 from autotune.search.tuner import tune
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                args.fast: fast_policy.to_dict(), args.slow: slow_policy.to_dict()},
            "run": run, "revisions": revisions, "overhead_runs": fast, "wall_s": time.time() - started}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
 
     table = Table(title=f"online revision, {args.workload} on 2 emulated hosts (check every "
                         f"{knobs['check_every']} steps, patience {knobs['patience']})")

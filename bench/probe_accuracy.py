@@ -30,6 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.emulate import EmulatedCluster, measure_tcp_rate, parse_link
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.probes.profile import load_profile
 
 
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "local": {"profile_wall_s": local_wall, "target_s": 90, **_compute_check(local["compute"])},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_atomic(args.out, json.dumps(result, indent=2), AutotuneError, "benchmark results")
 
     table = Table(title="probe accuracy: 2 emulated hosts, 1 rank each, cnn")
     for col in ("link", "TCP payload Mbit/s", "p2p fit", "p2p/TCP", "allreduce busbw fit",

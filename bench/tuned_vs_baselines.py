@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.emulate import EmulatedCluster, parse_link
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
@@ -102,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                               f"{best} {med[best] * 1e3:.0f} ms, ddp {med['ddp'] * 1e3:.0f} ms, floor "
                               f"{med['floor'] * 1e3:.0f} ms")
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"benchmark": "tuned_vs_baselines", "cells": cells}, indent=1))
+                write_atomic(args.out, json.dumps({"benchmark": "tuned_vs_baselines", "cells": cells}, indent=1),
+                             AutotuneError, "benchmark results")
     out = {"benchmark": "tuned_vs_baselines", "args": vars(args) | {"out": str(args.out)},
            "cells": cells, "wall_s": time.time() - started}
-    args.out.write_text(json.dumps(out, indent=1))
+    write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
 
     table = Table(title="measured median step time (ms), 2 emulated hosts, interleaved")
     cols = ["link", "workload", "ddp", "best bucket", "fp16", "psgd1", "psgd4", "tuned", "floor",
