@@ -15,7 +15,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "GroupComm", "LocalComm"]
+__all__ = ["Comm", "GroupComm", "LocalComm", "all_gather_flat"]
+
+# Equal-size all-gather into one flat tensor: recent torch names it all_gather_single and
+# warns on every call of all_gather_into_tensor, the only name older releases have.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Comm(ABC):
@@ -76,7 +80,7 @@ class GroupComm(Comm):
         out = torch.empty(
             (self.world_size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device
         )
-        dist.all_gather_into_tensor(out, tensor.reshape(-1), group=self.group)
+        all_gather_flat(out, tensor.reshape(-1), group=self.group)
         return out.view(self.world_size, *tensor.shape)
 
 

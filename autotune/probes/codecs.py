@@ -39,6 +39,7 @@ from torch import Tensor
 
 from autotune import compressors
 from autotune.compressors import CompressorSpec, LocalComm
+from autotune.compressors.comm import all_gather_flat
 from autotune.errors import ProfileError
 
 __all__ = ["DEFAULT_GRID", "probe_codecs"]
@@ -280,6 +281,6 @@ def _all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     padded[: data.numel()] = data
     world = dist.get_world_size(group)
     out = torch.empty(world * padded.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, padded.to(device), group=group)
+    all_gather_flat(out, padded.to(device), group=group)
     rows = out.view(world, -1).cpu()
     return [json.loads(row.numpy().tobytes().decode()) for row in rows]

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autotune.compressors.comm import all_gather_flat
 from autotune.errors import ProfileError
 from autotune.workloads import Workload
 
@@ -222,7 +223,7 @@ def _median_over_ranks(values: Tensor, group: dist.ProcessGroup | None) -> Tenso
     world = dist.get_world_size(group)
     local = values.to(_coll_device(group))
     gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather_flat(gathered, local, group=group)
     return _nanmedian(gathered.view(world, -1).cpu(), dim=0)
 
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from autotune.compressors.comm import all_gather_flat
+
 __all__ = ["DEFAULT_SIZES", "COLLECTIVES", "probe_network", "fit_line", "bus_factor"]
 
 logger = logging.getLogger(__name__)
@@ -118,7 +120,7 @@ def _host_ids(device: torch.device) -> list[int]:
     ident = int(node) if node is not None else zlib.crc32(socket.gethostname().encode())
     mine = torch.tensor([ident], dtype=torch.int64, device=device)
     out = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine)
+    all_gather_flat(out, mine)
     raw = out.tolist()
     index = {h: i for i, h in enumerate(dict.fromkeys(raw))}
     return [index[h] for h in raw]
@@ -167,7 +169,7 @@ def _collective_op(name: str, nbytes: int, device: torch.device) -> Callable[[],
         return lambda: dist.all_reduce(buf)
     if name == "allgather":
         out = torch.empty(numel * world, dtype=torch.float32, device=device)
-        return lambda: dist.all_gather_into_tensor(out, buf)
+        return lambda: all_gather_flat(out, buf)
     if name == "broadcast":
         return lambda: dist.broadcast(buf, src=0)
     raise ValueError(f"unknown collective {name!r}")
