@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
 import torch
 
 from autotune.compressors.comm import Comm
+from autotune.compressors.memory import ErrorFeedback
 from autotune.errors import CompressorError
 
 __all__ = [
@@ -67,11 +68,14 @@ class Param:
             isinstance(value, bool)
             if self.kind is bool
             else isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (self.kind is float or float(value).is_integer())
+            and (self.kind is float or isinstance(value, int) or value.is_integer())
         )
         ok = ok_type
         if ok and self.kind is not bool:
-            v = float(value)
+            try:
+                v = float(value)
+            except OverflowError:  # an int beyond any float is beyond any range too
+                v = math.inf
             ok = math.isfinite(v)
             if ok and self.low is not None:
                 ok = v > self.low if self.low_open else v >= self.low
@@ -104,7 +108,8 @@ class CompressorSpec:
         if "compressor" not in data:
             raise CompressorError(f"a compressor spec needs a 'compressor' key, got {dict(data)!r}")
         params = {k: v for k, v in data.items() if k != "compressor"}
-        spec = cls.of(data["compressor"], **params)
+        # not cls.of(name, **params): a parameter called "name" would collide
+        spec = cls(data["compressor"], tuple(sorted(params.items())))
         REGISTRY.validate(spec.name, spec.kwargs)
         return spec
 
@@ -180,6 +185,13 @@ class Compressor(ABC):
         its error feedback still owed, to be added to its next gradient; None if
         nothing is owed. Warm starts and counters of ``name`` are dropped."""
         return None
+
+    def reset_error_feedback(self) -> int:
+        """Drop every residual of the error feedback (kept in ``self.memory``, an
+        :class:`~autotune.compressors.memory.ErrorFeedback`, by the compressors that
+        have one); returns how many were dropped. State every rank shares stays."""
+        memory = getattr(self, "memory", None)
+        return memory.clear() if isinstance(memory, ErrorFeedback) else 0
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (error feedback, warm starts, random state); tensors only."""

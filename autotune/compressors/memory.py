@@ -42,6 +42,12 @@ class ErrorFeedback:
         """Remove and return ``name``'s residual (None if it has none)."""
         return self.residuals.pop(name, None)
 
+    def clear(self) -> int:
+        """Forget every residual; returns how many there were."""
+        count = len(self.residuals)
+        self.residuals = {}
+        return count
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.residuals.items()}
 

@@ -94,7 +94,10 @@ class PowerSGD(Compressor):
             rows, cols, rank = mat
             m = self.memory.compensate(name, t).view(rows, cols)
             q = self.q.get(name) if self.config["warm_start"] else None
-            if q is None or q.shape != (cols, rank):
+            # A step whose M was zero on every rank (a parameter DDP found unused, with
+            # no residual yet) leaves Q = M^T P = 0, and from a zero Q every later P and
+            # Q would be zero too: start again from the seeded Q instead.
+            if q is None or q.shape != (cols, rank) or not bool(q.any()):
                 q = self._initial_q(name, cols, rank, m)
             mats.append((t, name, m, q))
 

@@ -11,6 +11,13 @@ survive DDP's bucket rebuild) and reduces each group with one collective per sta
   which runs them in bucket order on a process group of its own (see channel.py for why).
 * Nothing is compressed before step ``compress_from_step`` (default 2): DDP rebuilds its
   buckets after the first iteration, and PowerSGD's state must start after that.
+* The **guard**: before compressing a bucket, the ranks agree, in one 8-byte allreduce,
+  whether any of them holds a non-finite value in it or has joined (``DDP.join()``
+  with uneven inputs, where a joined rank shadows the others' buckets with zeros). If
+  so, every rank averages that bucket by plain allreduce instead: a NaN or Inf reaches
+  every rank exactly as under DDP (so a ``GradScaler`` or the user's own check sees it
+  and skips the step everywhere), a joined rank contributes exactly zero, and no
+  compressor state (error feedback, PowerSGD's Q, int8's counters) is touched.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ __all__ = ["AutotuneState", "BucketRecord", "dispatch_hook", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 adds the rank and world size (error feedback is per rank)
 
 
 @dataclass
@@ -54,6 +61,10 @@ class BucketRecord:
     seconds: float = 0.0  # hook entry to completion
     comm_s: float = 0.0  # of which in collectives (compressed buckets; see Comm.seconds)
     job_s: float = 0.0  # of which the communication thread worked on it (codec + comm)
+    guard_s: float = 0.0  # of which the guard's agreement (not in comm_s or the bytes)
+    # why a bucket the policy compresses went by plain allreduce: "nonfinite" (a rank
+    # had a NaN/Inf in it), "joined" (a rank had joined), or "" (it was compressed)
+    fallback: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +103,11 @@ class AutotuneState:
         process_group: DDP's process group (default: the world).
         compress_from_step: first step that may compress; must be >= 2 because DDP
             rebuilds its buckets after the first iteration.
+        guard: agree across ranks, before compressing each bucket, whether a rank has a
+            non-finite gradient in it or has joined, and average it by plain allreduce
+            if so (see the module docstring). Costs one 8-byte allreduce per compressed
+            bucket; switch it off only for jobs that never see a NaN or Inf gradient and
+            never use ``join()``, or error feedback may be poisoned.
     """
 
     def __init__(
@@ -100,6 +116,7 @@ class AutotuneState:
         module: torch.nn.Module,
         process_group: dist.ProcessGroup | None = None,
         compress_from_step: int = 2,
+        guard: bool = True,
     ) -> None:
         if compress_from_step < 2:
             raise AutotuneError(
@@ -110,6 +127,7 @@ class AutotuneState:
         # hyperparameters
         self.policy = policy
         self.compress_from_step = compress_from_step
+        self.guard = guard
 
         # internal state
         self.process_group = process_group
@@ -121,6 +139,7 @@ class AutotuneState:
         self.step = 0  # advances when the last bucket of a backward pass is handed over
         self._carry: dict[str, torch.Tensor] = {}  # residuals owed after a policy switch
         self._comm: GroupComm | None = None  # on a group of its own, made on first use
+        self.joined = False  # this rank has joined and shadows the others (set by wrap's join hook)
         self._side_group = self._make_side_group(process_group)
         from autotune.runtime.channel import Channel
 
@@ -130,6 +149,9 @@ class AutotuneState:
         self._lock = threading.Lock()
         self._records: dict[int, list[BucketRecord]] = {}  # this step's and the last one's
         self.bytes_by_compressor: Counter[str] = Counter()  # since construction
+        self.nonfinite_steps = 0  # steps where some rank had a NaN/Inf in a compressed bucket
+        self.nonfinite_buckets = 0  # such buckets, over all steps
+        self._nonfinite_step = -1  # the last such step (one warning per step)
         # called with every finished BucketRecord (from the thread that finished it)
         self.listeners: list[Callable[[BucketRecord], None]] = []
 
@@ -208,8 +230,10 @@ class AutotuneState:
         if bucket.is_last():
             self.step += 1
         buffer = bucket.buffer()
-        if self._carry:
-            self._pay_carry(self._plan(bucket), buffer)
+        # A joined rank's buffer is DDP's zeros, shadowing the others: it contributes
+        # exactly zero, so what a policy switch still owes waits for a real gradient.
+        joined = self.joined
+        paid = self._pay_carry(self._plan(bucket), buffer) if self._carry and not joined else {}
         if step < self.compress_from_step:
             return self._allreduce(buffer, bucket.index(), step, start, None)
         plan = self._plan(bucket)
@@ -220,6 +244,19 @@ class AutotuneState:
         def job() -> torch.Tensor:
             comm = self._get_comm()
             began = time.perf_counter()
+            if self.guard and self._agree_fallback(buffer, joined, record, comm):
+                if record.fallback == "nonfinite":  # the step will be skipped: still owed
+                    self._carry.update(paid)
+                nbytes = buffer.numel() * buffer.element_size()
+                seconds_before = sum(comm.seconds.values())
+                buffer.div_(self.world_size)
+                comm.all_reduce(buffer)
+                record.bytes_by_collective["allreduce"] = nbytes
+                record.bytes_by_compressor["none"] = nbytes
+                record.comm_s = sum(comm.seconds.values()) - seconds_before
+                record.job_s = time.perf_counter() - began
+                self._finish(record)
+                return buffer
             seconds_before = sum(comm.seconds.values())
             for group in plan.groups:
                 before = Counter(comm.sent)
@@ -238,13 +275,53 @@ class AutotuneState:
 
         return self._channel.submit(job, buffer.device)
 
-    def _pay_carry(self, plan: _Plan, buffer: torch.Tensor) -> None:
-        """Add what a previous compressor's error feedback owed (see set_policy)."""
+    def _agree_fallback(
+        self, buffer: torch.Tensor, joined: bool, record: BucketRecord, comm: GroupComm
+    ) -> bool:
+        """The guard (see the module docstring): True on every rank if any rank has a
+        non-finite value in this bucket or has joined; runs on the communication thread."""
+        began = time.perf_counter()
+        # One pass, no copy: a sum is non-finite if any element is (or if it overflows
+        # fp32, which then costs a harmless plain allreduce).
+        bad = ~torch.isfinite(buffer.sum(dtype=torch.float32))
+        flags = torch.stack([bad.float(), torch.full_like(bad, joined, dtype=torch.float32)])
+        dist.all_reduce(flags, group=comm.group)
+        n_bad, n_joined = (int(v) for v in flags.tolist())
+        record.guard_s = time.perf_counter() - began
+        if n_bad:
+            record.fallback = "nonfinite"
+            self._report_nonfinite(record, n_bad, bool(bad))
+        elif n_joined:
+            record.fallback = "joined"
+        return bool(n_bad or n_joined)
+
+    def _report_nonfinite(self, record: BucketRecord, ranks: int, here: bool) -> None:
+        with self._lock:
+            self.nonfinite_buckets += 1
+            first = record.step != self._nonfinite_step
+            if first:
+                self._nonfinite_step = record.step
+                self.nonfinite_steps += 1
+        if first and (self.rank == 0 or here):
+            logger.warning(
+                "step %d: non-finite gradient on %d of %d ranks%s (first in bucket %d); "
+                "buckets holding one are averaged by plain allreduce this step, so every "
+                "rank sees it as under DDP, and compressor state is left untouched",
+                record.step, ranks, self.world_size,
+                f", this rank ({self.rank}) among them" if here else "", record.index,
+            )
+
+    def _pay_carry(self, plan: _Plan, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Add what a previous compressor's error feedback owed (see set_policy); returns
+        what was paid, owed again if the bucket then goes uncompressed."""
+        paid = {}
         for group in plan.groups:
             for name, (offset, numel, _) in zip(group.names, group.slices):
                 owed = self._carry.pop(name, None)
                 if owed is not None:
                     buffer[offset : offset + numel].add_(owed.reshape(-1).to(buffer))
+                    paid[name] = owed
+        return paid
 
     def _get_comm(self) -> GroupComm:
         if self._comm is None:
@@ -293,11 +370,14 @@ class AutotuneState:
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Step counter and every compressor's state; tensors, numbers and strings only,
-        so ``torch.load(..., weights_only=True)`` reads it back."""
+        so ``torch.load(..., weights_only=True)`` reads it back. Error feedback is this
+        rank's own: save the state of every rank (e.g. one file per rank)."""
         return {
             "version": STATE_VERSION,
             "step": self.step,
             "policy_id": self.policy.id,
+            "rank": self.rank,
+            "world_size": self.world_size,
             "compressors": {
                 json.dumps(spec.to_dict(), sort_keys=True): comp.state_dict()
                 for spec, comp in self.compressors.items()
@@ -306,8 +386,14 @@ class AutotuneState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (on the same rank of a job of the same size)."""
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        """Restore :meth:`state_dict`, saved by this rank of a job of this size.
+
+        Restored under another world size, or on another rank, the error feedback
+        (residuals, and what a policy switch still owed) belongs to no rank of this job:
+        it is reset, with a warning. What all ranks share (the step counter, PowerSGD's
+        Q, int8's counters) is kept, so any rank's saved state may be loaded then.
+        """
+        if not isinstance(state, Mapping) or state.get("version") not in (1, STATE_VERSION):
             got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
             raise AutotuneError(
                 f"expected an autotune comm state of version {STATE_VERSION}, got {got!r}"
@@ -326,6 +412,17 @@ class AutotuneState:
             spec = CompressorSpec.from_dict(json.loads(key)).canonical()
             if spec in in_use:
                 self.compressor(spec).load_state_dict(comp_state)
+        # version 1 states carry no rank or world size: taken as this job's
+        saved = (state.get("rank", self.rank), state.get("world_size", self.world_size))
+        if saved != (self.rank, self.world_size):
+            dropped = len(self._carry) + sum(c.reset_error_feedback() for c in self.compressors.values())
+            self._carry = {}
+            logger.warning(
+                "comm state saved by rank %s of %s loaded on rank %d of %d: error feedback "
+                "is per rank, so it is reset (%d residuals dropped); the step counter and "
+                "state shared by all ranks are kept",
+                saved[0], saved[1], self.rank, self.world_size, dropped,
+            )
 
     def close(self) -> None:
         """Stop the communication thread."""

@@ -17,9 +17,10 @@ import os
 from typing import Any, Mapping
 
 import torch
+from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from autotune.errors import PolicyError
+from autotune.errors import AutotuneError, PolicyError
 from autotune.policies import Policy, load_policy
 from autotune.runtime.hook import AutotuneState, dispatch_hook
 
@@ -33,6 +34,9 @@ class AutotuneDDP(DistributedDataParallel):
         module: the model, as for DDP.
         policy: the policy to apply; its ``bucket_cap_mb`` sets DDP's bucket size.
         compress_from_step: first step that may compress (>= 2).
+        guard: agree before compressing each bucket whether a rank has a non-finite
+            gradient in it or has joined, and average it by plain allreduce then (see
+            :class:`~autotune.runtime.hook.AutotuneState`).
         **ddp_kwargs: any other ``DistributedDataParallel`` argument.
     """
 
@@ -42,6 +46,7 @@ class AutotuneDDP(DistributedDataParallel):
         policy: Policy,
         *,
         compress_from_step: int = 2,
+        guard: bool = True,
         online: bool = False,
         profile: Any = None,
         online_options: Mapping[str, Any] | None = None,
@@ -55,7 +60,8 @@ class AutotuneDDP(DistributedDataParallel):
         policy.check(module).raise_if_unknown()
         super().__init__(module, bucket_cap_mb=policy.bucket_cap_mb, **ddp_kwargs)
         self.comm_state = AutotuneState(
-            policy, self.module, self.process_group, compress_from_step=compress_from_step
+            policy, self.module, self.process_group, compress_from_step=compress_from_step,
+            guard=guard,
         )
         self.register_comm_hook(self.comm_state, dispatch_hook)
         # Online revision is opt-in; its controller (and with it the cost model and the
@@ -82,10 +88,42 @@ class AutotuneDDP(DistributedDataParallel):
             self.controller.boundary()
         return super().forward(*inputs, **kwargs)
 
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """DDP's join hook, marking the rank as joined while it shadows the others, so
+        that the guard averages their buckets by plain allreduce (a joined rank adds
+        exactly zero, as under DDP, and no compressor state moves).
+
+        Raises:
+            AutotuneError: ``divide_by_initial_world_size=False``: the hook always
+                divides by the world size, as PyTorch's own hooks do.
+        """
+        if not kwargs.get("divide_by_initial_world_size", True):
+            raise AutotuneError(
+                "join(divide_by_initial_world_size=False) is not supported by autotune's "
+                "hook, which divides by the initial world size (as PyTorch's own hooks do)"
+            )
+        return _JoinHook(super().join_hook(**kwargs), self.comm_state)
+
     @property
     def policy(self) -> Policy:
         """The policy being applied."""
         return self.comm_state.policy
+
+
+class _JoinHook(JoinHook):
+    """Wraps DDP's join hook: ``state.joined`` is True while this rank shadows."""
+
+    def __init__(self, inner: JoinHook, state: AutotuneState) -> None:
+        self._inner = inner
+        self._state = state
+
+    def main_hook(self) -> None:
+        self._state.joined = True
+        self._inner.main_hook()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self._state.joined = False
+        self._inner.post_hook(is_last_joiner)
 
 
 def wrap(
@@ -108,7 +146,7 @@ def wrap(
         **kwargs: online knobs (``check_every``, ``threshold``, ``link_threshold``, ``patience``,
             ``budget_s``, ``trials``, ``min_gain``, ``max_error``, ``pinned``,
             ``lead_steps``, ``log``: see :class:`~autotune.online.OnlineConfig`),
-            ``compress_from_step``, and any ``DistributedDataParallel`` argument
+            ``compress_from_step``, ``guard``, and any ``DistributedDataParallel`` argument
             (``device_ids``, ``find_unused_parameters``, ...).
 
     Raises:
