@@ -33,6 +33,7 @@ from autotune.cli._base import (
 from autotune.cli.bench import add_bench_parser
 from autotune.cli.demo import add_demo_parser
 from autotune.cli.profile import add_profile_parser
+from autotune.cli.report import add_report_parser
 from autotune.cli.show import add_show_parser
 from autotune.cli.simulate import add_simulate_parser
 from autotune.cli.tune import add_tune_parser
@@ -62,6 +63,7 @@ SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
     add_simulate_parser,
     add_bench_parser,
     add_show_parser,
+    add_report_parser,
     add_demo_parser,
 ]
 """Parser builders of the subcommands, in the order ``--help`` lists them."""
