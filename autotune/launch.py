@@ -10,6 +10,9 @@ prefixing its command (see :mod:`autotune.emulate`).
 A rank that fails ends the job: the others are given a short grace period (their next
 collective fails within milliseconds when a peer's connection resets) and then killed,
 and :class:`~autotune.errors.RankFailure` names the rank and the last line it printed.
+A rank that stalls (alive but silent) is noticed when its peers' collectives time out
+(``pg_timeout``, or ``AUTOTUNE_PG_TIMEOUT`` in the environment): the ranks still running
+when the others gave up waiting are named as the stalled ones, and killed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import contextlib
 import datetime
 import importlib
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,11 +32,12 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from autotune.errors import RankFailure, WorkloadError
+from autotune.errors import AutotuneError, RankFailure, WorkloadError
 
 __all__ = [
     "RankSpec",
@@ -40,14 +46,45 @@ __all__ = [
     "local_placement",
     "resolve_target",
     "init_from_env",
+    "pg_timeout_s",
     "set_rank_threads",
     "under_torchrun",
 ]
 
 # Seconds a collective may block before gloo gives up; a hung peer is noticed then.
+# AUTOTUNE_PG_TIMEOUT in the environment overrides it, for launched ranks and torchrun's.
 DEFAULT_PG_TIMEOUT_S = 120.0
+PG_TIMEOUT_ENV = "AUTOTUNE_PG_TIMEOUT"
 # Seconds the surviving ranks get to notice a failed peer before they are killed.
 FAILURE_GRACE_S = 5.0
+# How the backends word a collective (or store wait) that gave up on a silent peer:
+# gloo "Timed out waiting 5000ms for recv operation", the store "Wait timeout".
+_TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+# Prefix torch's excepthook puts on every traceback line of a rank ("[rank0]: ...").
+_RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]:\s*")
+# What torch prepends to an error raised in a future's callback.
+_CALLBACK_WRAPPER = "Got the following error when running the callback: "
+
+
+def pg_timeout_s() -> float:
+    """Seconds a collective may wait for a peer: ``AUTOTUNE_PG_TIMEOUT`` if set, else
+    :data:`DEFAULT_PG_TIMEOUT_S`.
+
+    Raises:
+        AutotuneError: the variable is not a positive number of seconds.
+    """
+    text = os.environ.get(PG_TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_PG_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise AutotuneError(
+            f"{PG_TIMEOUT_ENV} must be a positive number of seconds, got {text!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -163,14 +200,23 @@ class _Rank:
     def last_line(self) -> str:
         self._thread.join(timeout=2.0)
         try:
-            lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()]
+            text = self.log.read_text(errors="replace")
         except OSError:
             return ""
+        lines = [_RANK_PREFIX_RE.sub("", ln).strip() for ln in text.splitlines()]
         lines = [ln for ln in lines if ln and not ln.startswith(("warnings.warn", "W1", "I1"))]
         for ln in reversed(lines):  # prefer the exception line of a traceback
             if ln.split(":", 1)[0].endswith(("Error", "Exception", "Failure", "Interrupt")):
-                return ln
+                return ln.replace(_CALLBACK_WRAPPER, "")
         return lines[-1] if lines else ""
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP, a debugger), where /proc tells."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[:1] == ["T"]
 
 
 def _describe_exit(code: int) -> str:
@@ -190,7 +236,7 @@ def launch(
     placement: Placement | None = None,
     timeout: float = 600.0,
     backend: str = "gloo",
-    pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
+    pg_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     echo: bool = False,
     on_line: Callable[[int, str], bool] | None = None,
@@ -204,7 +250,8 @@ def launch(
         placement: where ranks run; default: ``nprocs`` ranks on this machine.
         timeout: seconds the whole job may take before every rank is killed.
         backend: ``"gloo"`` or ``"nccl"``.
-        pg_timeout: seconds a collective may wait for a peer before it fails.
+        pg_timeout: seconds a collective may wait for a peer before it fails; a stalled
+            rank is noticed (and named) then. Default: :func:`pg_timeout_s`.
         env: extra environment for every rank.
         echo: copy every rank's output to stderr, prefixed with its rank.
         on_line: called with (rank, line) for each line a rank prints; returning True
@@ -214,8 +261,11 @@ def launch(
         The target's return value on each rank, in rank order.
 
     Raises:
-        RankFailure: a rank failed, was killed, or the job ran past ``timeout``.
+        RankFailure: a rank failed, was killed, stalled, or the job ran past ``timeout``.
+        AutotuneError: ``AUTOTUNE_PG_TIMEOUT`` is set to something other than seconds.
     """
+    if pg_timeout is None:
+        pg_timeout = pg_timeout_s()
     if placement is None:
         if nprocs is None:
             raise ValueError("launch needs nprocs or placement")
@@ -253,7 +303,7 @@ def launch(
                     MASTER_ADDR=placement.master_addr,
                     MASTER_PORT=str(port),
                     AUTOTUNE_BACKEND=backend,
-                    AUTOTUNE_PG_TIMEOUT=str(pg_timeout),
+                    **{PG_TIMEOUT_ENV: str(pg_timeout)},
                     AUTOTUNE_MACHINE_RANKS=str(world),  # every rank of a launch is here
                     PYTHONUNBUFFERED="1",
                 )
@@ -281,19 +331,16 @@ def launch(
 
 def _supervise(ranks: list[_Rank], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    failed: tuple[_Rank, int] | None = None
+    failed: list[_Rank] = []  # ranks that exited non-zero, in the order seen
     grace_end = float("inf")
     while True:
         codes = [r.proc.poll() for r in ranks]
+        failed += [r for r, c in zip(ranks, codes) if c not in (None, 0) and r not in failed]
         if all(c is not None for c in codes):
             break
-        if failed is None:
-            for r, c in zip(ranks, codes):
-                if c is not None and c != 0:
-                    failed = (r, c)
-                    grace_end = time.monotonic() + FAILURE_GRACE_S
-                    break
         now = time.monotonic()
+        if failed and grace_end == float("inf"):
+            grace_end = now + FAILURE_GRACE_S
         if now > grace_end:
             break
         if now > deadline:
@@ -305,18 +352,34 @@ def _supervise(ranks: list[_Rank], timeout: float) -> None:
                 "running and have been killed"
             )
         time.sleep(0.02)
-    if failed is None:
-        for r in ranks:
-            code = r.proc.poll()
-            if code not in (0, None):
-                failed = (r, code)
-                break
-    if failed is not None:
-        r, code = failed
-        detail = r.last_line()
-        raise RankFailure(
-            f"rank {r.rank} {_describe_exit(code)}" + (f": {detail}" if detail else "")
+    if failed:
+        raise RankFailure(_blame(failed, [r for r in ranks if r.proc.poll() is None]))
+
+
+def _blame(failed: list[_Rank], running: list[_Rank]) -> str:
+    """Which rank ended the job, and why, in one line.
+
+    A rank that stalls makes its peers' collectives time out: they exit first, so the
+    first exit is a victim. Ranks still running when a peer gave up waiting on them are
+    the stalled ones. Otherwise a rank killed by a signal (not by us: we have not killed
+    anyone yet) is the cause; else the first rank seen failing.
+    """
+    lines = {r.rank: r.last_line() for r in failed}
+    waited = [r for r in failed if _TIMEOUT_RE.search(lines[r.rank])]
+    if running and waited:
+        names = ", ".join(str(r.rank) for r in running)
+        how = " (stopped by a signal)" if all(r.stopped() for r in running) else ""
+        victim = waited[0]
+        return (
+            f"rank{'s' if len(running) > 1 else ''} {names} stalled{how}: still running but "
+            f"silent when rank {victim.rank} gave up waiting for {'them' if len(running) > 1 else 'it'}; "
+            f"killed. rank {victim.rank}: {lines[victim.rank]}"
         )
+    cause = next((r for r in failed if (r.proc.returncode or 0) < 0), failed[0])
+    detail = lines[cause.rank]
+    return f"rank {cause.rank} {_describe_exit(cause.proc.returncode or 0)}" + (
+        f": {detail}" if detail else ""
+    )
 
 
 def set_rank_threads(threads: int | None = None) -> int:
@@ -341,14 +404,14 @@ def under_torchrun() -> bool:
 
 
 def init_from_env() -> None:
-    """Initialise the default process group from torchrun's environment, if not yet."""
+    """Initialise the default process group from torchrun's environment, if not yet,
+    with a finite timeout (:func:`pg_timeout_s`) so that a stalled peer is noticed."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = os.environ.get("AUTOTUNE_BACKEND", "gloo")
-    timeout = float(os.environ.get("AUTOTUNE_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s()))
 
 
 def _worker_main(argv: Sequence[str] | None = None) -> int:
@@ -385,5 +448,17 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _rank_main() -> int:
+    """Run the rank; a failure prints its traceback here and exits 1 without teardown,
+    which could hang or abort on a process group whose peer is gone."""
+    try:
+        return _worker_main()
+    except SystemExit as exc:  # argparse
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported, and the rank exits non-zero
+        traceback.print_exc()
+        return 1
+
+
 if __name__ == "__main__":
-    _exit_now(_worker_main())
+    _exit_now(_rank_main())
