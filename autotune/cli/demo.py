@@ -2,12 +2,14 @@
 
 Profile the job, tune a policy, and measure it against the baselines, interleaved: on
 an emulated 1 Gbit link between two hosts when run as root (network namespaces), on
-plain loopback otherwise. Writes profile.json and policy.json.
+plain loopback otherwise. Writes profile.json, study.db, policy.json, bench.json and the
+report (report/index.html; needs the ``report`` extra, else the demo says how to get it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -30,7 +32,8 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "policy, and measure it next to plain DDP, fp16, PowerSGD rank 1 and 4 (PyTorch's\n"
         "own hooks) and the compute-only floor. As root the two ranks sit on two emulated\n"
         "hosts joined by a shaped link (--link, default 1gbit); otherwise on loopback.\n"
-        "Writes OUT_DIR/profile.json and OUT_DIR/policy.json.",
+        "Writes OUT_DIR/profile.json, study.db, policy.json, bench.json and\n"
+        "OUT_DIR/report/index.html (`autotune report`, needs matplotlib).",
     )
     parser.add_argument("--workload", default="cnn",
                         help="built-in name, path/to/file.py:function or package.module:function")
@@ -40,7 +43,7 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--trials", type=positive_int, default=200, help="tuning trials")
     parser.add_argument("--steps", type=positive_int, default=9, help="measured steps per configuration")
     parser.add_argument("--out-dir", type=Path, default=Path("."),
-                        help="where profile.json and policy.json are written")
+                        help="where profile.json, policy.json, the study, bench.json and report/ are written")
     parser.set_defaults(func=cmd_demo)
     return parser
 
@@ -48,10 +51,20 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 def cmd_demo(args: argparse.Namespace) -> int:
     from autotune.cli.bench import BASELINES, print_bench, run_bench
     from autotune.cli.profile import take_profile
+    from autotune.cli.report import baseline_policies
     from autotune.emulate import available
+    from autotune.errors import AutotuneError
+    from autotune.jsonio import write_atomic
+    from autotune.report import require_matplotlib, write_report
+    from autotune.report.data import load_study
     from autotune.search.tuner import tune
 
     out = console()
+    try:
+        require_matplotlib()
+        no_report = None
+    except AutotuneError as exc:  # the demo still runs; it says at the end what is missing
+        no_report = str(exc)
     started = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     emulate, why = available()
@@ -69,7 +82,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out.print(f"wrote {args.out_dir / 'profile.json'}")
 
     out.rule("2. tune")
-    result = tune(profile, trials=args.trials)
+    storage = f"sqlite:///{(args.out_dir / 'study.db').resolve()}"
+    result = tune(profile, trials=args.trials, storage=storage)
     result.policy.save(args.out_dir / "policy.json")
     layers = sorted({s.label() for s in result.policy.layers.values()}) or ["none"]
     out.print(f"wrote {args.out_dir / 'policy.json'}: {result.chosen} policy {result.policy.id}, "
@@ -81,10 +95,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.block, args.warmup = 3, 3
     bench = run_bench(args, result.policy)
     print_bench(bench)
+    write_atomic(args.out_dir / "bench.json", json.dumps(bench, indent=1) + "\n", AutotuneError, "results")
     medians = {r["name"]: r["step_s_median"] for r in bench["results"]}
     best_base = min(medians[n] for n in BASELINES)
     out.print(f"tuned policy: {medians['ddp'] / medians['policy']:.2f}x plain DDP, "
               f"{best_base / medians['policy']:.2f}x the best baseline, "
               f"{medians['policy'] / medians['floor']:.2f}x the compute-only floor "
               f"(demo took {time.perf_counter() - started:.0f} s)")
+
+    out.rule("4. report")
+    if no_report is not None:
+        out.print(f"no report written: {no_report}")
+        return EXIT_OK
+    page = write_report(profile, args.out_dir / "report", baseline_policies(), policy=result.policy,
+                        study=load_study(storage, None, profile), bench=bench)
+    out.print(f"wrote {page}: open it in a browser")
     return EXIT_OK

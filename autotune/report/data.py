@@ -56,7 +56,7 @@ class Sweep:
     step_s: Mapping[str, tuple[float, ...]]  # configuration -> one value per rate
     compressing: frozenset[str]  # configurations that compress some gradient
     # configuration -> the highest rate at which it beats plain DDP (None: at no rate of
-    # the sweep; the sweep's top rate: at every rate up to it)
+    # the sweep; the sweep's top rate: still there)
     pays_below_bps: Mapping[str, float | None]
     at_link_s: Mapping[str, float]  # calibrated prediction at the measured link
 
@@ -272,7 +272,9 @@ def gather(
         configs["policy"] = policy
     timelines = [Timeline("plain DDP", model.predict(None))]
     if policy is not None:
-        timelines.append(Timeline("tuned policy", model.predict(policy)))
+        chosen = policy.meta.get("chosen", "tuned")
+        label = "tuned policy" if chosen == "tuned" else f"policy (the tuner chose baseline {chosen})"
+        timelines.append(Timeline(label, model.predict(policy)))
     sweep = _sweep(model, configs)
     if policy is None and sweep is not None:
         # without a policy, show the baseline predicted fastest at the measured link
@@ -409,9 +411,10 @@ def _measured(profile: Profile, model: CostModel, configs: Mapping[str, Policy |
             cap = _cap(name)
             if name == "floor":
                 predicted = model.compute.floor_s
-            elif predictable and (name in known or cap is not None):
-                policy = known[name] if name in known else Policy(bucket_cap_mb=cap)
-                predicted = model.predict(policy, what_if).step_s
+            elif predictable and name in known:
+                predicted = model.predict(known[name], what_if).step_s
+            elif predictable and cap is not None:
+                predicted = model.predict(Policy(bucket_cap_mb=cap), what_if).step_s
             out.append(Measured(name, link or "loopback", rate, seconds, predicted, same, source))
     return out
 

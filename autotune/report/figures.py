@@ -119,9 +119,10 @@ def plot_bandwidth(data: ReportData) -> Figure:
         for i, (name, value) in enumerate(sweep.at_link_s.items()):
             ax.scatter([data.link_bps], [value * 1e3], marker="D", s=28, facecolors="white",
                        edgecolors=_color(name, i), zorder=4)
-    measured = [m for m in data.measured if m.rate_bps is not None and m.config in sweep.step_s]
-    for m in measured:
-        ax.scatter([m.rate_bps], [m.measured_s * 1e3], marker="o", s=46, color=_color(m.config),
+    measured = [(rate, m) for m in data.measured
+                if (rate := m.rate_bps) is not None and m.config in sweep.step_s]
+    for rate, m in measured:
+        ax.scatter([rate], [m.measured_s * 1e3], marker="o", s=46, color=_color(m.config),
                    edgecolors="black", linewidths=0.8, zorder=5)
     if measured:
         ax.scatter([], [], marker="o", s=46, color="white", edgecolors="black", label="measured")
@@ -188,7 +189,6 @@ def plot_measured(data: ReportData) -> Figure:
             color=[_color(m.config) for m in rows], label="measured (median)")
     ax.set_yticks(ys, labels, fontsize=9)
     ax.invert_yaxis()
-    ax.set_xscale("log")
     ax.set_xlabel("step time (ms)")
     ax.set_title("measured against predicted", fontsize=11, loc="left")
     ax.grid(axis="x", which="both", alpha=0.25)

@@ -85,7 +85,8 @@ def _verdict(data: ReportData) -> str:
                          f"{rate_label(sweep.rates_bps[0])}/s to {rate_label(top)}/s: the network is "
                          "not the bottleneck of this job.")
         elif pays >= top:
-            lines.append(f"Compression pays at every link rate up to {rate_label(top)}/s.")
+            lines.append(f"Compression still pays at {rate_label(top)}/s, the fastest link "
+                         "considered: the network is the bottleneck of this job.")
         else:
             here = "so on the profiled link it pays" if data.link_bps and data.link_bps < pays else (
                 "so on the profiled link the network is not the bottleneck")
@@ -110,14 +111,14 @@ def _sweep_table(data: ReportData) -> str:
         if name == "ddp":
             verdict = "&ndash;"
         elif pays is None:
-            verdict = "never in the range"
+            verdict = "never (in this range)"
         elif pays >= sweep.rates_bps[-1]:
-            verdict = f"at every rate up to {rate_label(pays)}/s"
+            verdict = f"still at {rate_label(pays)}/s (the top of the range)"
         else:
-            verdict = f"below {rate_label(pays)}/s"
+            verdict = f"{rate_label(pays)}/s"
         rows.append([escape(display_name(name)), _ms(at_link), f"{ddp / at_link:.2f}x", verdict])
     return _table(["configuration", "predicted ms at the profiled link", "vs plain DDP",
-                   "faster than plain DDP"], rows)
+                   "beats plain DDP up to"], rows)
 
 
 def _study_section(data: ReportData, figures: Mapping[str, str]) -> str:
@@ -186,7 +187,7 @@ def _layers_section(data: ReportData) -> str:
                      _num(r.ready_ms, ".1f"), _num(r.backward_ms, ".2f"), escape(r.compressor),
                      _num(r.error_step, ".3f") if r.error_step is not None else '<span class="muted">not measured</span>',
                      _num(r.error_cum, ".3f") if r.error_cum is not None else "&ndash;"])
-    who = "the tuned policy" if data.policy is not None else "plain DDP (no policy given)"
+    who = "the policy" if data.policy is not None else "plain DDP (no policy given)"
     return (f"<h2>Per layer</h2><p>Compressor as chosen by {who}; errors are the codec probe's "
             "measurements on this job's real gradients (relative error of one step, and over the "
             "profiled steps with error feedback).</p>"
