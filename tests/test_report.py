@@ -22,7 +22,7 @@ from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import load_policy
 from autotune.probes.profile import load_profile
-from autotune.report.data import gather, load_study, pareto_front
+from autotune.report.data import gather, load_bench, load_study, pareto_front
 from autotune.search.tuner import tune
 
 pytest.importorskip("matplotlib", reason="the report needs matplotlib: pip install 'ddp-autotune[report]'")
@@ -167,6 +167,28 @@ def test_the_crossover_is_where_compression_stops_beating_ddp(job: dict[str, Pat
     assert step(by, rate * 0.98) < step("ddp", rate * 0.98)
     for name in sweep.compressing:  # above it, no compressor beats plain DDP
         assert step(name, rate * 1.03) >= step("ddp", rate * 1.03)
+
+
+def test_bench_cells_are_set_beside_predictions_at_their_own_link(job: dict[str, Path]) -> None:
+    # bench/results/tuned_vs_baselines.json: real medians of cnn at 100 Mbit, 1 and 10 Gbit
+    profile = load_profile(job["profile"])  # profiled at 1 Gbit
+    model = CostModel.fit(profile)
+    bench = load_bench(RESULTS / "tuned_vs_baselines.json")
+    data = gather(profile, {"ddp": None}, bench=bench, model=model)
+    cells = [c for c in bench["cells"] if c["workload"] == "cnn"]
+    assert len(data.measured) == sum(len(c["medians_s"]) for c in cells)
+    rows = {(m.config, m.link): m for m in data.measured}
+    for cell in cells:
+        for name, seconds in cell["medians_s"].items():
+            assert rows[(name, cell["rate"])].measured_s == seconds
+    here, slow = rows[("ddp", "1gbit")], rows[("ddp", "100mbit")]
+    assert here.calibrated and here.predicted_s == model.predict(None).step_s
+    assert not slow.calibrated
+    assert slow.predicted_s == model.predict(None, WhatIf(world_size=2, bandwidth_bps=1e8)).step_s
+    assert rows[("ddp5mb", "10gbit")].predicted_s is not None and rows[("tuned", "10gbit")].predicted_s
+    assert rows[("floor", "100mbit")].predicted_s == model.compute.floor_s
+    # configurations the report was not given are measured but not predicted
+    assert rows[("fp16", "1gbit")].predicted_s is None
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,8 @@ def add_report_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--study", default=None, metavar="STORAGE",
                         help="Optuna storage of `autotune tune --storage`, e.g. sqlite:///study.db")
     parser.add_argument("--study-name", default=None,
-                        help="the study in --study (default: the tuner's name for this profile, "
-                             "or the storage's only study)")
+                        help="the study in --study; if omitted, the tuner's name for this profile, "
+                             "or the storage's only study")
     parser.add_argument("--bench", type=Path, default=None,
                         help="measured step times: `autotune bench --json` output or "
                              "bench/results/tuned_vs_baselines.json")
