@@ -11,10 +11,11 @@ survive DDP's bucket rebuild) and reduces each group with one collective per sta
   which runs them in bucket order on a process group of its own (see channel.py for why).
 * Nothing is compressed before step ``compress_from_step`` (default 2): DDP rebuilds its
   buckets after the first iteration, and PowerSGD's state must start after that.
-* The **guard**: before compressing a bucket, the ranks agree, in one 8-byte allreduce,
-  whether any of them holds a non-finite value in it or has joined (``DDP.join()``
-  with uneven inputs, where a joined rank shadows the others' buckets with zeros). If
-  so, every rank averages that bucket by plain allreduce instead: a NaN or Inf reaches
+* The **guard**: before compressing a bucket, the ranks agree, in one 8-byte allreduce
+  (issued by the hook on a third group and awaited by the thread, so it overlaps the
+  compression of earlier buckets), whether any of them holds a non-finite value in it
+  or has joined (``DDP.join()`` with uneven inputs, where a joined rank shadows the
+  others' buckets with zeros). If so, every rank averages that bucket by plain allreduce instead: a NaN or Inf reaches
   every rank exactly as under DDP (so a ``GradScaler`` or the user's own check sees it
   and skips the step everywhere), a joined rank contributes exactly zero, and no
   compressor state (error feedback, PowerSGD's Q, int8's counters) is touched.
@@ -61,7 +62,8 @@ class BucketRecord:
     seconds: float = 0.0  # hook entry to completion
     comm_s: float = 0.0  # of which in collectives (compressed buckets; see Comm.seconds)
     job_s: float = 0.0  # of which the communication thread worked on it (codec + comm)
-    guard_s: float = 0.0  # of which the guard's agreement (not in comm_s or the bytes)
+    guard_s: float = 0.0  # the guard's work in the hook (finiteness check, issuing its allreduce)
+    guard_wait_s: float = 0.0  # the thread's wait for the guard's result (mostly for the slowest rank)
     # why a bucket the policy compresses went by plain allreduce: "nonfinite" (a rank
     # had a NaN/Inf in it), "joined" (a rank had joined), or "" (it was compressed)
     fallback: str = ""
@@ -127,7 +129,7 @@ class AutotuneState:
         # hyperparameters
         self.policy = policy
         self.compress_from_step = compress_from_step
-        self.guard = guard
+        self.guard = guard  # fixed at construction: its process group is made here
 
         # internal state
         self.process_group = process_group
@@ -141,6 +143,10 @@ class AutotuneState:
         self._comm: GroupComm | None = None  # on a group of its own, made on first use
         self.joined = False  # this rank has joined and shadows the others (set by wrap's join hook)
         self._side_group = self._make_side_group(process_group)
+        # The guard's agreements are issued from the hook, in bucket order, as soon as a
+        # bucket is ready, on a group of their own (the channel owns the side group), so
+        # they run in the background while earlier buckets are still being compressed.
+        self._guard_group = self._make_side_group(process_group) if guard else None
         from autotune.runtime.channel import Channel
 
         self._channel = Channel(name=f"autotune-comm-{self.rank}")
@@ -240,11 +246,16 @@ class AutotuneState:
         if plan.direct:
             return self._allreduce(buffer, bucket.index(), step, start, plan.groups[0].label)
         record = BucketRecord(step, bucket.index(), buffer.numel(), True, start=start)
+        agreement = None
+        if self._guard_group is not None:
+            began = time.perf_counter()
+            agreement = self._start_agreement(buffer, joined)
+            record.guard_s = time.perf_counter() - began
 
         def job() -> torch.Tensor:
             comm = self._get_comm()
             began = time.perf_counter()
-            if self.guard and self._agree_fallback(buffer, joined, record, comm):
+            if agreement is not None and self._agree_fallback(*agreement, record):
                 if record.fallback == "nonfinite":  # the step will be skipped: still owed
                     self._carry.update(paid)
                 nbytes = buffer.numel() * buffer.element_size()
@@ -275,22 +286,34 @@ class AutotuneState:
 
         return self._channel.submit(job, buffer.device)
 
-    def _agree_fallback(
-        self, buffer: torch.Tensor, joined: bool, record: BucketRecord, comm: GroupComm
-    ) -> bool:
-        """The guard (see the module docstring): True on every rank if any rank has a
-        non-finite value in this bucket or has joined; runs on the communication thread."""
-        began = time.perf_counter()
+    def _start_agreement(
+        self, buffer: torch.Tensor, joined: bool
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Issue the guard's allreduce of (ranks with a non-finite value in this bucket,
+        ranks joined) without waiting for it; on the buffer's device, so a GPU job does
+        not synchronise the backward pass here."""
         # One pass, no copy: a sum is non-finite if any element is (or if it overflows
         # fp32, which then costs a harmless plain allreduce).
         bad = ~torch.isfinite(buffer.sum(dtype=torch.float32))
-        flags = torch.stack([bad.float(), torch.full_like(bad, joined, dtype=torch.float32)])
-        dist.all_reduce(flags, group=comm.group)
+        flags = torch.zeros(2, dtype=torch.float32, device=buffer.device)
+        flags[0] = bad
+        flags[1] = float(joined)
+        work = dist.all_reduce(flags, group=self._guard_group, async_op=True)
+        return work, flags, bad
+
+    def _agree_fallback(
+        self, work: Any, flags: torch.Tensor, bad: torch.Tensor, record: BucketRecord
+    ) -> bool:
+        """The guard (see the module docstring), on the communication thread: True on
+        every rank if any rank has a non-finite value in this bucket or has joined."""
+        began = time.perf_counter()
+        here = bool(bad)
+        work.wait()
         n_bad, n_joined = (int(v) for v in flags.tolist())
-        record.guard_s = time.perf_counter() - began
+        record.guard_wait_s = time.perf_counter() - began
         if n_bad:
             record.fallback = "nonfinite"
-            self._report_nonfinite(record, n_bad, bool(bad))
+            self._report_nonfinite(record, n_bad, here)
         elif n_joined:
             record.fallback = "joined"
         return bool(n_bad or n_joined)
