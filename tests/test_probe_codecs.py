@@ -10,7 +10,7 @@ import torch
 from autotune import compressors
 from autotune.compressors import LocalComm
 from autotune.errors import CompressorError, ProfileError
-from autotune.probes.codecs import DEFAULT_GRID, probe_codecs
+from autotune.probes.codecs import BASELINE_GRID, DEFAULT_GRID, probe_codecs
 from autotune.probes.compute import probe_compute
 from autotune.workloads import mlp
 
@@ -100,12 +100,16 @@ def test_local_comm_simulates_w_ranks() -> None:
         LocalComm(world_size=0)
 
 
-def test_budget_skips_sizes_but_never_a_whole_method() -> None:
+def test_budget_skips_sizes_but_never_a_whole_method_nor_a_baseline() -> None:
     out = probe_codecs(_grads(steps=2), world_size=2, reps=1, budget_s=1e-9)
     assert out["truncated"] is True
     methods = list(dict.fromkeys(g["compressor"] for g in DEFAULT_GRID))
-    assert [g["compressor"] for g in out["grid"]] == methods  # the first of each method
-    assert len(out["skipped"]) == len(DEFAULT_GRID) - len(methods)
+    firsts = [next(g for g in DEFAULT_GRID if g["compressor"] == m) for m in methods]
+    kept = firsts + [g for g in BASELINE_GRID if g not in firsts]
+    # the first of each method and the tuner's baselines (PowerSGD rank 1 is not a first)
+    assert {"compressor": "powersgd", "rank": 1} in out["grid"]
+    assert sorted(map(str, out["grid"])) == sorted(map(str, kept))
+    assert len(out["skipped"]) == len(DEFAULT_GRID) - len(kept)
     assert {r["spec"]["compressor"] for r in out["errors"]} == set(methods)
 
 

@@ -10,6 +10,7 @@ from test_models import synthetic_profile
 
 from autotune.cli import main
 from autotune.policies import load_policy
+from autotune.probes.profile import Profile
 from autotune.search.space import ErrorModel, SearchSpace
 from autotune.search.tuner import tune
 from autotune.workloads import transformer
@@ -45,6 +46,19 @@ def test_guard_emits_the_best_baseline_when_nothing_beats_it() -> None:
     assert result.chosen.startswith("ddp")
     assert not result.policy.layers or all(s.name == "none" for s in result.policy.layers.values())
     assert result.policy.meta["chosen"] == result.chosen
+
+
+def test_a_baseline_the_profile_did_not_measure_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    # a codec probe run with a grid (or, before the fix, a budget) without PowerSGD rank 1
+    data = synthetic_profile("cnn", link_bps=1e8).to_dict()
+    rank1 = {"compressor": "powersgd", "rank": 1}
+    for key in ("shapes", "errors"):
+        data["codecs"][key] = [r for r in data["codecs"][key] if r["spec"] != rank1]
+    with caplog.at_level("WARNING", logger="autotune.search.tuner"):
+        result = tune(Profile.from_dict(data), trials=20, seed=0)
+    names = [b.name for b in result.baselines]
+    assert "powersgd1" not in names and "powersgd4" in names and "ddp" in names
+    assert "baseline powersgd1 left out" in caplog.text
 
 
 def test_error_budget_is_respected() -> None:

@@ -42,7 +42,7 @@ from autotune.compressors import CompressorSpec, LocalComm
 from autotune.compressors.comm import all_gather_flat
 from autotune.errors import ProfileError
 
-__all__ = ["DEFAULT_GRID", "probe_codecs"]
+__all__ = ["BASELINE_GRID", "DEFAULT_GRID", "probe_codecs"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,13 @@ DEFAULT_GRID: tuple[Mapping[str, Any], ...] = (
     {"compressor": "powersgd", "rank": 8},
     {"compressor": "topk", "ratio": 0.001},
     {"compressor": "topk", "ratio": 0.1},
+)
+# Also measured whatever the budget, where the grid has them: the set-ups every tuning
+# compares against (fp16 and PyTorch's PowerSGD at rank 1 and 4 everywhere).
+BASELINE_GRID: tuple[Mapping[str, Any], ...] = (
+    {"compressor": "fp16"},
+    {"compressor": "powersgd", "rank": 1},
+    {"compressor": "powersgd", "rank": 4},
 )
 
 
@@ -222,9 +229,12 @@ def probe_codecs(
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     mine = list(range(rank, len(specs), ranks))
 
-    # the first configuration of each method is measured whatever the budget
+    # the first configuration of each method, and the baselines, are measured whatever
+    # the budget
     first_of_name = {spec.name: i for i, spec in reversed(list(enumerate(specs)))}
+    baselines = {CompressorSpec.from_dict(d).canonical() for d in BASELINE_GRID}
     essential = set(first_of_name.values())
+    essential |= {i for i, spec in enumerate(specs) if spec.canonical() in baselines}
     done: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     skipped: list[int] = []
     for index in mine:

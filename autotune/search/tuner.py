@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, ProfileError
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
@@ -86,7 +86,11 @@ def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
                 for cap in (1.0, 5.0, 25.0, 100.0)]
     policies += [(name, Policy.from_dict({"version": 1, "default": spec})) for name, spec in specs.items()]
     for name, policy in policies:
-        err = errors.of(policy)
+        try:
+            err = errors.of(policy)
+        except ProfileError as exc:  # a profile taken with a grid that lacks it
+            logger.warning("baseline %s left out: %s", name, exc)
+            continue
         pred = model.predict(policy, what_if).step_s
         out.append(Candidate(name, policy.with_meta(baseline=name), pred, err, err <= max_error))
     return out
