@@ -60,6 +60,9 @@ FAILURE_GRACE_S = 5.0
 # How the backends word a collective (or store wait) that gave up on a silent peer:
 # gloo "Timed out waiting 5000ms for recv operation", the store "Wait timeout".
 _TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+# torch's warning and info log lines ("W1202 16:46:03.18 ...", "[W1202 16:46:03.18
+# socket.cpp:207] ..."): never the reason a rank failed.
+_LOG_NOISE_RE = re.compile(r"\[?[WI]\d{4} \d")
 # Prefix torch's excepthook puts on every traceback line of a rank ("[rank0]: ...").
 _RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]:\s*")
 # What torch prepends to an error raised in a future's callback.
@@ -204,7 +207,8 @@ class _Rank:
         except OSError:
             return ""
         lines = [_RANK_PREFIX_RE.sub("", ln).strip() for ln in text.splitlines()]
-        lines = [ln for ln in lines if ln and not ln.startswith(("warnings.warn", "W1", "I1"))]
+        lines = [ln for ln in lines if ln and not ln.startswith("warnings.warn")
+                 and not _LOG_NOISE_RE.match(ln)]
         for ln in reversed(lines):  # prefer the exception line of a traceback
             if ln.split(":", 1)[0].endswith(("Error", "Exception", "Failure", "Interrupt")):
                 return ln.replace(_CALLBACK_WRAPPER, "")

@@ -179,6 +179,8 @@ def autotune_cmd(*args: str) -> list[str]:
 
 
 def assert_ended(job: Job, elapsed: float) -> None:
+    named = [ln for ln in job.output().splitlines() if "rank 1" in ln or "rank      : 1" in ln]
+    print("  " + (named[-1].strip() if named else "(no line names rank 1)"))
     assert job.proc.returncode not in (0, None), job.output()
     assert elapsed <= EXIT_BOUND_S
     left = job.processes()
