@@ -282,7 +282,8 @@ def _probe() -> tuple[bool, str]:
     if sys.platform != "linux":
         return False, f"network namespaces need Linux, this is {sys.platform}"
     if os.geteuid() != 0:
-        return False, "needs root to create network namespaces"
+        return False, (f"needs root to create network namespaces (this process runs as uid "
+                       f"{os.geteuid()}); run as root, or without --hosts/--link on local ranks")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return False, f"needs iproute2 ({' and '.join(missing)} not found on PATH)"

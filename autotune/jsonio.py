@@ -10,6 +10,7 @@ file or the new one, never half of one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +19,16 @@ from typing import Any, Mapping, NoReturn
 
 from autotune.errors import AutotuneError
 
-__all__ = ["read_json", "write_atomic", "dumps", "freeze", "thaw", "json_type"]
+__all__ = ["read_json", "write_atomic", "check_writable", "dumps", "freeze", "thaw", "json_type"]
+
+MAX_FILE_BYTES = 256 * 2**20
+"""Largest file read_json accepts: far above any real profile, and it keeps `/dev/zero`
+or a mistyped path to a disk image from eating the memory (or never finishing)."""
+
+MAX_DEPTH = 100
+"""Deepest nesting of arrays and objects accepted; autotune's files nest about 6 deep."""
+
+_MAX_INT_DIGITS = 100  # an integer longer than this is no count, size or version
 
 
 def dumps(data: Any, indent: int | None = 2) -> str:
@@ -36,9 +46,16 @@ def read_json(path: str | os.PathLike[str], error: type[AutotuneError], what: st
     """
     source = str(path)
     try:
-        raw = Path(path).read_bytes()
+        # Bounded read: a pipe or process substitution still works, an endless device
+        # does not hang the reader.
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise error(f"{source}: cannot read {what}: {_os_reason(exc)}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise error(
+            f"{source}: larger than {MAX_FILE_BYTES // 2**20} MiB: is this a {what} JSON file?"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -46,13 +63,46 @@ def read_json(path: str | os.PathLike[str], error: type[AutotuneError], what: st
             f"{source}: not UTF-8 text (byte {exc.start}): is this a {what} JSON file?"
         ) from exc
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+        data = json.loads(
+            text,
+            object_pairs_hook=_reject_duplicates,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+        )
     except json.JSONDecodeError as exc:
         raise error(
             f"{source}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
         ) from exc
-    except ValueError as exc:  # raised by the two hooks above
+    except ValueError as exc:  # raised by the hooks above
         raise error(f"{source}: {exc}") from exc
+    except RecursionError as exc:  # the C parser recurses once per nesting level
+        raise error(f"{source}: arrays or objects nested more than {MAX_DEPTH} deep") from exc
+    if _depth(data) > MAX_DEPTH:
+        # Caught here rather than as a RecursionError later, in whatever walks the data.
+        raise error(f"{source}: arrays or objects nested more than {MAX_DEPTH} deep")
+    return data
+
+
+def check_writable(path: str | os.PathLike[str], error: type[AutotuneError], what: str) -> None:
+    """Fail before any work if ``path`` cannot be written, naming the path and why.
+
+    Creates and removes a temporary file beside ``path``: the only test that also
+    catches read-only file systems and permissions (which root may bypass, or not).
+    """
+    target = Path(path)
+    directory = target.parent
+    if target.is_dir():
+        raise error(f"{target}: cannot write {what}: is a directory")
+    if not directory.exists():
+        raise error(f"{target}: cannot write {what}: directory {directory} does not exist")
+    if not directory.is_dir():
+        raise error(f"{target}: cannot write {what}: {directory} is not a directory")
+    try:
+        with tempfile.TemporaryFile(prefix=f".{target.name}.", dir=directory):
+            pass
+    except OSError as exc:
+        raise error(f"{target}: cannot write {what}: {_os_reason(exc)}") from exc
 
 
 def write_atomic(path: str | os.PathLike[str], text: str, error: type[AutotuneError], what: str) -> None:
@@ -136,6 +186,39 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON; numbers must be finite")
+
+
+def _finite_float(text: str) -> float:
+    # json turns 1e999 into inf without calling parse_constant; refuse it the same way
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:30]} is out of range; numbers must be finite")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits is out of range")
+    return int(text)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _os_reason(exc: OSError) -> str:

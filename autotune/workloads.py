@@ -546,8 +546,10 @@ def _load_file(path_text: str) -> Any:
     path = Path(path_text).expanduser()
     if not path.is_absolute():
         path = Path.cwd() / path
-    if not path.is_file():
+    if not path.exists():
         raise WorkloadError(f"workload file not found: {path}")
+    if not path.is_file():
+        raise WorkloadError(f"workload file {path} is not a regular file")
     # A name unique to the file, so two files called workload.py do not collide.
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     module_name = f"_autotune_workload_{path.stem}_{digest}"
@@ -558,8 +560,10 @@ def _load_file(path_text: str) -> Any:
     # Registered before running it: dataclasses and pickling look modules up by name.
     sys.modules[module_name] = module
     try:
+        # This runs the file's code, as `python file.py` would: a workload file is a
+        # program the user chose to run, not data (policies and profiles are data).
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a script that calls sys.exit()
         del sys.modules[module_name]
         raise WorkloadError(
             f"importing workload file {path} failed: {type(exc).__name__}: {exc}"
@@ -577,7 +581,7 @@ def _load_module(module_name: str) -> Any:
         raise WorkloadError(
             f"cannot import workload module {module_name!r}: {exc}{hint}"
         ) from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise WorkloadError(
             f"importing workload module {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
@@ -653,7 +657,7 @@ def resolve_workload(spec: str) -> Workload:
         workload = fn()
     except WorkloadError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise WorkloadError(
             f"workload function {spec!r} raised {type(exc).__name__}: {exc}"
         ) from exc

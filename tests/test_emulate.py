@@ -129,7 +129,8 @@ def test_set_link_needs_an_entered_cluster() -> None:
 
 def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert emulate._probe() == (False, "needs root to create network namespaces")
+    ok, why = emulate._probe()
+    assert not ok and why.startswith("needs root to create network namespaces (this process runs as uid 1000)")
     monkeypatch.setattr(emulate, "available", lambda: (False, "needs root"))
     with pytest.raises(ClusterError, match="cannot build an emulated cluster here: needs root"):
         with EmulatedCluster(2, "1gbit"):

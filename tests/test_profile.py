@@ -33,7 +33,8 @@ def minimal() -> dict[str, Any]:
                          "median_s": 1e-4}],
         },
         "compute": {
-            "step_s": [0.1, 0.11, 0.1],
+            "step_s": [0.1, 0.11, 0.1], "forward_s": [0.03] * 3, "backward_s": [0.06] * 3,
+            "optimizer_s": [0.01] * 3,
             "params": [
                 {"name": "fc.weight", "shape": [10, 20], "numel": 200, "ready_s": 0.01},
                 {"name": "fc.bias", "shape": [10], "numel": 10, "ready_s": 0.01},

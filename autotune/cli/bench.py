@@ -12,7 +12,7 @@ from rich.table import Table
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import add_cluster_arguments, check_out_path, placement
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, PolicyError
 
 # Baselines as users run them: DDP with its defaults, and PyTorch's own hooks.
 BASELINES: dict[str, dict[str, Any]] = {
@@ -46,7 +46,9 @@ def add_bench_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "  autotune bench --workload cnn --hosts 2 --nproc-per-node 1 --link 100mbit --json out.json",
     )
     parser.add_argument("--workload", default="cnn",
-                        help="built-in name, path/to/file.py:function or package.module:function")
+                        help="built-in name, path/to/file.py:function or package.module:function "
+                             "(a file or module is imported: this runs that file's code, as "
+                             "`python file.py` would)")
     add_cluster_arguments(parser)
     parser.add_argument("--policy", type=Path, help="a policy to measure beside the baselines")
     parser.add_argument("--baselines", type=_names, default=list(BASELINES),
@@ -107,9 +109,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     policy = None
     if args.policy is not None:
         policy = load_policy(args.policy)
-        policy.check(work.model).raise_if_unknown()
+        try:
+            policy.check(work.model).raise_if_unknown()
+        except PolicyError as exc:  # name the file and the workload, not just "policy"
+            raise PolicyError(f"{args.policy} on --workload {args.workload}: "
+                              f"{str(exc).removeprefix('policy: ')}") from exc
     if args.json is not None:
-        check_out_path(args.json)
+        check_out_path(args.json, "results")
     if not args.baselines and policy is None:
         raise AutotuneError("nothing to measure: give --policy or at least one baseline")
     result = run_bench(args, policy)

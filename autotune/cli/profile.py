@@ -15,7 +15,7 @@ from autotune.cli._base import (
     positive_float,
     positive_int,
 )
-from autotune.errors import ClusterError, ProfileError
+from autotune.errors import AutotuneError, ClusterError
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,9 @@ def add_profile_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "  torchrun --nproc-per-node 8 -m autotune profile --workload mymod:make --out p.json",
     )
     parser.add_argument("--workload", default="cnn",
-                        help="built-in name, path/to/file.py:function or package.module:function")
+                        help="built-in name, path/to/file.py:function or package.module:function "
+                             "(a file or module is imported: this runs that file's code, as "
+                             "`python file.py` would)")
     add_cluster_arguments(parser)
     parser.add_argument("--budget-s", type=positive_float, default=50.0,
                         help="seconds of probing (network 45%%, compute 30%%, codecs 25%%); "
@@ -73,13 +75,13 @@ def placement(args: argparse.Namespace) -> Iterator[Any]:
         yield cluster
 
 
-def check_out_path(path: Path) -> None:
-    """Fail before any work if the output cannot be written there."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ProfileError(f"{path}: directory {parent} does not exist")
-    if path.is_dir():
-        raise ProfileError(f"{path}: is a directory")
+def check_out_path(path: Path, what: str = "output") -> None:
+    """Fail before any work if ``what`` cannot be written to ``path`` (missing directory,
+    a file where a directory should be, a directory where the file should be, a
+    read-only file system or no permission)."""
+    from autotune.jsonio import check_writable
+
+    check_writable(path, AutotuneError, what)
 
 
 def take_profile(args: argparse.Namespace) -> Any:
@@ -115,7 +117,7 @@ def take_profile(args: argparse.Namespace) -> Any:
 def cmd_profile(args: argparse.Namespace) -> int:
     from autotune.cli.tables import print_profile
 
-    check_out_path(args.out)
+    check_out_path(args.out, "profile")
     profile = take_profile(args)
     if profile is None:  # a rank other than 0 under torchrun
         return EXIT_OK

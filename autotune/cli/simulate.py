@@ -11,7 +11,8 @@ from typing import Any
 
 from rich.table import Table
 
-from autotune.cli._base import EXIT_OK, Subparsers, add_command, console
+from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_float
+from autotune.cli.profile import check_out_path
 from autotune.errors import AutotuneError, ProfileError
 
 BASELINES = {
@@ -72,7 +73,7 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                         help="link rates to ask about, e.g. 100mbit,1gbit,10gbit (default: as measured)")
     parser.add_argument("--world-size", type=_ints, default=None,
                         help="world sizes to ask about, e.g. 2,8,64 (default: as measured)")
-    parser.add_argument("--compute-speed", type=float, default=1.0,
+    parser.add_argument("--compute-speed", type=positive_float, default=1.0,
                         help="compute this many times faster (profile mode)")
     parser.add_argument("--trace", type=Path, help="write the policy's (or DDP's) timeline as "
                         "Chrome trace-event JSON (open in https://ui.perfetto.dev)")
@@ -88,6 +89,8 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        check_out_path(args.trace, "trace")
     if args.zhang2020 is not None:
         if args.profile is not None or args.policy is not None:
             raise ProfileError("--zhang2020 replaces the profile; give one or the other, and no --policy")

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -57,9 +58,12 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--study-name", default=None,
                         help="study to create or resume (default: autotune-<profile fingerprint>)")
     parser.add_argument("--workload", default=None,
-                        help="with --verify: the workload (default: the profile's)")
+                        help="with --verify: the workload (default: the profile's); its model "
+                             "must have the profiled parameters (names and shapes), else exit 2. "
+                             "A file.py:fn workload runs that file's code")
     parser.add_argument("--nproc-per-node", type=positive_int, default=None,
-                        help="with --verify: ranks per host (default: the profile's)")
+                        help="with --verify: ranks per host (default: the profile's); a cluster "
+                             "other than the profiled one is allowed, with a warning")
     parser.add_argument("--hosts", type=positive_int, default=None,
                         help="with --verify: emulated hosts (default: the profile's)")
     parser.add_argument("--link", default=None, help="with --verify: emulated link (default: the profile's)")
@@ -74,12 +78,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     out = console()
     profile = load_profile(args.profile)
-    check_out_path(args.out)
+    check_out_path(args.out, "policy")
     if args.verify < 0:
         raise AutotuneError(f"--verify takes a number of candidates >= 0, got {args.verify}")
     if args.storage is not None and "://" not in args.storage:
         raise AutotuneError(f"--storage must be an Optuna storage URL such as sqlite:///study.db, "
                             f"got {args.storage!r}")
+    if args.verify:
+        _verify_job(args, profile)  # before the search: a wrong workload fails in seconds
     progress = Progress(TextColumn("trials"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=out)
     with progress:
@@ -99,14 +105,41 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tuple[Any, dict[str, Any]]:
-    from autotune.search.verify import candidates, verify_result
+def _verify_job(args: argparse.Namespace, profile: Any) -> None:
+    """Fill the live job's flags from the profile, and check the job against it.
+
+    Another workload is an error: the candidates name the profiled parameters, and their
+    predicted costs are of the profiled shapes. Another cluster (ranks, hosts, link) is
+    allowed with a warning: a policy applies to any world size, and --verify chooses by
+    what it measures on the live job, so only the ranking that picked the candidates
+    was made for the profiled cluster.
+    """
+    from autotune.workloads import resolve_workload
 
     env = profile.env
     args.workload = args.workload or profile.workload.get("spec") or profile.workload["name"]
     args.hosts = args.hosts or (int(env["hosts"]) if env.get("link") else 1)
     args.nproc_per_node = args.nproc_per_node or max(1, int(env["world_size"]) // args.hosts)
-    args.link = args.link or env.get("link")
+    # an emulated link needs emulated hosts: `--hosts 1` verifies on local ranks
+    args.link = args.link or (env.get("link") if args.hosts > 1 else None)
+    profile.check_model(resolve_workload(args.workload).model, f"--workload {args.workload}")
+    profiled = (int(env["world_size"]), int(env["hosts"]), env.get("link"))
+    live = (args.hosts * args.nproc_per_node, args.hosts, args.link)
+    if live != profiled:
+        def job(world: int, hosts: int, link: str | None) -> str:
+            return f"{world} rank(s) on {hosts} host(s)" + (f" at {link}" if link else "")
+
+        Console(stderr=True, highlight=False).print(
+            f"[yellow]warning:[/yellow] the profile was taken on {job(*profiled)}; verifying on "
+            f"{job(*live)}. The candidates were ranked by predictions for the profiled "
+            "cluster; the measurement on this one chooses among them.",
+            soft_wrap=True,
+        )
+
+
+def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tuple[Any, dict[str, Any]]:
+    from autotune.search.verify import candidates, verify_result
+
     count = len(candidates(result, args.verify))
     with placement(args) as where, out.status(f"verifying {count} candidates on the live job"):
         return verify_result(result, args.verify, args.workload, where)

@@ -264,7 +264,9 @@ class CostModel:
     def from_dict(cls, data: Mapping[str, Any], source: str = "cost model") -> CostModel:
         import autotune
 
-        if not isinstance(data, Mapping) or data.get("version") != MODEL_VERSION:
+        if not isinstance(data, Mapping) or type(data.get("version")) is not int or (
+            data.get("version") != MODEL_VERSION
+        ):
             raise ProfileError(f"{source}: version: expected {MODEL_VERSION}")
         if data.get("autotune") != autotune.__version__:
             raise ProfileError(
@@ -279,7 +281,7 @@ class CostModel:
                 forward_s=c["forward_s"], backward_s=c["backward_s"],
                 optimizer_s=c["optimizer_s"], floor_s=c["floor_s"], contention=c["contention"],
             )
-            return cls(
+            model = cls(
                 compute=compute, world_size=int(data["world_size"]),
                 comm={k: CollectiveTimeRegressor.from_json_dict(v) for k, v in data["comm"].items()},
                 codec={k: CodecTimeRegressor.from_json_dict(v) for k, v in data["codec"].items()},
@@ -289,8 +291,14 @@ class CostModel:
                 fingerprint=str(data.get("profile_fingerprint", "")),
                 cv_error=dict(data.get("cv_error") or {}),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+            # The file is JSON someone may have edited: a model that cannot predict plain
+            # DDP is refused here, not in the middle of a search.
+            step = model.predict(None).step_s
+            if not math.isfinite(step) or step <= 0:
+                raise ValueError(f"predicts a step of {step!r} s for plain DDP")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as exc:
             raise ProfileError(f"{source}: malformed cost model: {exc!r}") from exc
+        return model
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_atomic(path, dumps(self.to_dict()) + "\n", ProfileError, "cost model")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn
@@ -161,6 +161,9 @@ class Policy:
                 f"{source}: expected a JSON object at the top level, got {json_type(data)}"
             )
         unknown = [key for key in data if key not in _KEYS]
+        if {"env", "compute", "network"} & set(unknown):
+            raise PolicyError(f"{source}: this is a profile, not a policy (it has "
+                              f"{', '.join(repr(k) for k in unknown[:3])})")
         if unknown:
             raise PolicyError(
                 f"{source}: unknown key {unknown[0]!r}; the keys of a policy are: "
@@ -169,9 +172,9 @@ class Policy:
         if "version" not in data:
             _fail(source, "version", f"missing; expected {POLICY_VERSION}")
         version = data["version"]
-        # bool is an int in Python; `true` is no version number
-        if isinstance(version, bool) or version != POLICY_VERSION:
-            _fail(source, "version", f"expected {POLICY_VERSION}, got {version!r}")
+        # bool is an int in Python, and 1.0 == 1: neither is the version number 1
+        if type(version) is not int or version != POLICY_VERSION:
+            _fail(source, "version", f"expected {POLICY_VERSION}, got {reprlib.repr(version)}")
 
         bucket_cap_mb = _bucket_cap(data.get("bucket_cap_mb", 25.0), source)
         default = _parse_spec(data.get("default", {"compressor": "none"}), source, "default")
@@ -323,20 +326,19 @@ def _fail(source: str, path: str, problem: str) -> NoReturn:
 def _bucket_cap(value: Any, source: str) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
-        v = float(value)
-        ok = math.isfinite(v) and 0.0 < v <= MAX_BUCKET_CAP_MB
+        ok = 0.0 < value <= MAX_BUCKET_CAP_MB  # False for NaN; no float() of a huge int
     if not ok:
         _fail(
             source,
             "bucket_cap_mb",
-            f"expected a number in the range (0, {MAX_BUCKET_CAP_MB:g}], got {value!r}",
+            f"expected a number in the range (0, {MAX_BUCKET_CAP_MB:g}], got {reprlib.repr(value)}",
         )
     return float(value)
 
 
 def _layer_name(name: Any, source: str) -> None:
     if not isinstance(name, str) or not name:
-        _fail(source, "layers", f"parameter names must be non-empty strings, got {name!r}")
+        _fail(source, "layers", f"parameter names must be non-empty strings, got {reprlib.repr(name)}")
 
 
 def _parse_spec(raw: Any, source: str, path: str) -> CompressorSpec:

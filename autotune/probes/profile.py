@@ -21,10 +21,11 @@ import hashlib
 import json
 import math
 import os
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NoReturn
 
-from autotune.errors import ProfileError
+from autotune.errors import AutotuneError, ProfileError
 from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_atomic
 
 __all__ = ["PROFILE_VERSION", "Profile", "load_profile"]
@@ -47,10 +48,21 @@ class Profile:
     source: str = field(default="profile", compare=False)  # where it was read from
 
     def __post_init__(self) -> None:
-        _validate(self.to_dict(), self.source)
+        where = f"{self.source}: must hold only JSON values (objects, arrays, strings, finite numbers, booleans, null)"
+        try:
+            plain = {name: thaw(getattr(self, name)) for name in _SECTIONS}
+        except RecursionError as exc:
+            raise ProfileError(f"{where}: nested too deeply") from exc
+        _validate(plain, self.source)  # names the field of a bad value
+        try:
+            # Through JSON text: what is kept is exactly what save() writes (and catches
+            # what no field check covers), and later changes to the caller's dicts cannot
+            # reach this profile.
+            plain = json.loads(dumps(plain))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ProfileError(f"{where}: {exc}") from exc
         for name in _SECTIONS:
-            # a deep read-only copy: later changes to the caller's dicts cannot reach it
-            object.__setattr__(self, name, freeze(json.loads(dumps(thaw(getattr(self, name))))))
+            object.__setattr__(self, name, freeze(plain[name]))
 
     # ------------------------------------------------------------- (de)serialise
     @classmethod
@@ -59,10 +71,15 @@ class Profile:
         if not isinstance(data, Mapping):
             _fail(source, "(top level)", f"expected an object, got {json_type(data)}")
         unknown = sorted(set(data) - {"version", *_SECTIONS})
+        if {"layers", "default", "bucket_cap_mb"} & set(unknown):
+            _fail(source, "(top level)", "this is a policy, not a profile (it has "
+                                         f"{', '.join(repr(k) for k in unknown[:3])})")
         if unknown:
             _fail(source, unknown[0], f"unknown key; expected {', '.join(('version',) + _SECTIONS)}")
-        if data.get("version") != PROFILE_VERSION:
-            _fail(source, "version", f"expected {PROFILE_VERSION}, got {data.get('version')!r}")
+        version = data.get("version")
+        # bool is an int in Python, and 1.0 == 1: neither is the version number 1
+        if type(version) is not int or version != PROFILE_VERSION:
+            _fail(source, "version", f"expected {PROFILE_VERSION}, got {_short(version)}")
         for name in _SECTIONS:
             if name not in data and name != "calibration":  # calibration is optional
                 _fail(source, name, "missing")
@@ -107,6 +124,37 @@ class Profile:
             return f.get(link_class) or next(iter(f.values()))
         return f
 
+    def check_model(self, model: Any, what: str = "the model") -> None:
+        """Insist that ``model``'s trainable parameters are the profiled ones.
+
+        Names and shapes must match (order need not): the profile's timings, codec costs
+        and errors are per parameter, and a policy tuned on it names them.
+
+        Args:
+            model: a ``torch.nn.Module``.
+            what: how messages name the model, e.g. ``"--workload mlp"``.
+
+        Raises:
+            ProfileError: naming the first difference and how many there are.
+        """
+        theirs = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+        ours = {p["name"]: tuple(p["shape"]) for p in self.compute["params"]}
+        if theirs == ours:
+            return
+        missing = [n for n in ours if n not in theirs]
+        extra = [n for n in theirs if n not in ours]
+        reshaped = [n for n in ours if n in theirs and ours[n] != theirs[n]]
+        if missing or extra:
+            first = (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the profile lacks")
+            detail = f"{len(missing)} profiled parameter(s) missing, {len(extra)} not profiled; it {first}"
+        else:
+            n = reshaped[0]
+            detail = f"{len(reshaped)} parameter(s) differ in shape, e.g. {n!r}: {theirs[n]} vs {ours[n]}"
+        raise ProfileError(
+            f"{self.source}: {what} is not the profiled model ({self.workload['name']}): {detail}; "
+            "profile this workload first"
+        )
+
     def compute_floor_s(self) -> float:
         """Median compute-only step time (ranks side by side, no communication)."""
         return _median(self.compute["step_s"])
@@ -119,20 +167,36 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 # ------------------------------------------------------------------ validation
 
+# Upper bounds on physical quantities: far beyond any real job, low enough that sums and
+# squares in the cost model stay finite (a profile from a file is untrusted input).
+MAX_SECONDS = 1e6
+MAX_BYTES = 2**50
+MAX_NUMEL = 2**48
+MAX_RATIO = 1e6  # relative errors, gradient norms
+
 
 def _validate(data: Mapping[str, Any], source: str) -> None:
+    """Check every field that autotune reads from a profile, with the type it needs."""
     v = _Validator(source)
     env = v.obj(data, "env")
     for key in ("torch", "backend", "device"):
         v.string(env, f"env.{key}")
-    v.integer(env, "env.world_size", low=1)
-    v.integer(env, "env.hosts", low=1)
+    world = v.integer(env, "env.world_size", low=1)
+    v.integer(env, "env.hosts", low=1, high=world)
+    if env.get("link") is not None:
+        from autotune.emulate import parse_link
+
+        try:
+            parse_link(v.string(env, "env.link"))
+        except AutotuneError as exc:
+            _fail(source, "env.link", str(exc))
     wl = v.obj(data, "workload")
     v.string(wl, "workload.name")
+    v.optional(wl, "workload.spec", v.string)
 
     net = v.obj(data, "network")
     fits = v.obj(net, "network.fits")
-    if env["world_size"] > 1 and not fits:
+    if world > 1 and not fits:
         _fail(source, "network.fits", "empty, but the job has more than one rank")
     for name, fit in fits.items():
         path = f"network.fits.{name}"
@@ -141,38 +205,69 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
             p = path if cls is None else f"{path}.{cls}"
             if not isinstance(f, Mapping):
                 _fail(source, p, f"expected an object, got {json_type(f)}")
-            v.number(f, f"{p}.latency_s", low=0.0)
-            v.number(f, f"{p}.bandwidth_Bps", low=0.0, low_open=True)
-    v.array(net, "network.samples")
+            v.number(f, f"{p}.latency_s", low=0.0, high=MAX_SECONDS)
+            v.number(f, f"{p}.bandwidth_Bps", low=0.0, low_open=True, high=MAX_BYTES)
+            v.optional(f, f"{p}.busbw_Bps", v.number, low=0.0, low_open=True, high=MAX_BYTES)
+    for i, s in enumerate(v.array(net, "network.samples")):
+        path = f"network.samples[{i}]"
+        v.is_obj(s, path)
+        v.string(s, f"{path}.collective")
+        v.integer(s, f"{path}.bytes", low=0, high=MAX_BYTES)
+        v.seconds_array(s, f"{path}.times_s")
+        v.optional(s, f"{path}.link_class", v.string)
 
     comp = v.obj(data, "compute")
-    steps = v.array(comp, "compute.step_s", nonempty=True)
-    for i, t in enumerate(steps):
-        v.value(t, f"compute.step_s[{i}]", low=0.0, low_open=True)
+    for key in ("step_s", "forward_s", "backward_s", "optimizer_s"):
+        v.seconds_array(comp, f"compute.{key}", nonempty=True, positive=key == "step_s")
+    for key in ("hooked_step_s", "hooked_backward_s"):
+        v.optional(comp, f"compute.{key}", v.seconds_array)
     params = v.array(comp, "compute.params", nonempty=True)
+    names: set[str] = set()
     for i, p in enumerate(params):
         path = f"compute.params[{i}]"
-        if not isinstance(p, Mapping):
-            _fail(source, path, f"expected an object, got {json_type(p)}")
-        v.string(p, f"{path}.name")
-        shape = v.array(p, f"{path}.shape")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            _fail(source, f"{path}.shape", f"expected non-negative integers, got {shape!r}")
+        v.is_obj(p, path)
+        name = v.string(p, f"{path}.name")
+        if name in names:
+            _fail(source, f"{path}.name", f"{name!r} appears twice")
+        names.add(name)
+        v.shape(p, f"{path}.shape")
         if p.get("ready_s", 0.0) is not None:  # null: the parameter never got a gradient
-            v.number(p, f"{path}.ready_s", low=0.0)
+            v.number(p, f"{path}.ready_s", low=0.0, high=MAX_SECONDS)
+    for i, m in enumerate(v.optional(comp, "compute.modules", v.array) or ()):
+        path = f"compute.modules[{i}]"
+        v.is_obj(m, path)
+        v.string(m, f"{path}.name")
+        for key in ("forward_s", "backward_s"):
+            if m.get(key) is not None:
+                v.number(m, f"{path}.{key}", low=0.0, high=MAX_SECONDS)
 
     codecs = v.obj(data, "codecs")
-    for key in ("shapes", "errors"):
-        if key in codecs:
-            v.array(codecs, f"codecs.{key}")
+    v.optional(codecs, "codecs.world_size", v.integer, low=1)
+    for i, s in enumerate(v.optional(codecs, "codecs.shapes", v.array) or ()):
+        path = f"codecs.shapes[{i}]"
+        v.is_obj(s, path)
+        v.spec(s, f"{path}.spec")
+        v.shape(s, f"{path}.shape")
+        v.number(s, f"{path}.encode_decode_s", low=0.0, high=MAX_SECONDS)
+        v.number(s, f"{path}.wire_bytes", low=0.0, high=MAX_BYTES)
+    for i, e in enumerate(v.optional(codecs, "codecs.errors", v.array) or ()):
+        path = f"codecs.errors[{i}]"
+        v.is_obj(e, path)
+        v.spec(e, f"{path}.spec")
+        v.string(e, f"{path}.param")
+        v.number(e, f"{path}.rel_error", low=0.0, high=MAX_RATIO)
+        v.optional(e, f"{path}.cum_error", v.number, low=0.0, high=MAX_RATIO)
+    norms = v.optional(codecs, "codecs.grad_norms", v.obj) or {}
+    for name, norm in norms.items():  # keys are parameter names, which hold dots
+        v.value(norm, f"codecs.grad_norms[{name!r}]", low=0.0, high=MAX_RATIO)
+
     cal = v.obj(data, "calibration")
     for i, row in enumerate(v.array(cal, "calibration.results")):
         path = f"calibration.results[{i}]"
-        if not isinstance(row, Mapping):
-            _fail(source, path, f"expected an object, got {json_type(row)}")
-        v.number(row, f"{path}.step_s", low=0.0, low_open=True)
-        if row.get("policy") is not None and not isinstance(row["policy"], Mapping):
-            _fail(source, f"{path}.policy", "expected a policy object or null")
+        v.is_obj(row, path)
+        v.number(row, f"{path}.step_s", low=0.0, low_open=True, high=MAX_SECONDS)
+        if row.get("policy") is not None:
+            v.policy(row["policy"], f"{path}.policy")
 
 
 class _Validator:
@@ -187,10 +282,19 @@ class _Validator:
             _fail(self.source, path, "missing")
         return parent[key]
 
-    def obj(self, parent: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-        value = self._get(parent, path)
+    def optional(self, parent: Mapping[str, Any], path: str, check: Any, **kwargs: Any) -> Any:
+        """``check(parent, path, ...)`` if the key is there (and not null), else None."""
+        if parent.get(path.rsplit(".", 1)[-1]) is None:
+            return None
+        return check(parent, path, **kwargs)
+
+    def is_obj(self, value: Any, path: str) -> None:
         if not isinstance(value, Mapping):
             _fail(self.source, path, f"expected an object, got {json_type(value)}")
+
+    def obj(self, parent: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+        value = self._get(parent, path)
+        self.is_obj(value, path)
         return value
 
     def array(self, parent: Mapping[str, Any], path: str, nonempty: bool = False) -> list[Any]:
@@ -204,26 +308,72 @@ class _Validator:
     def string(self, parent: Mapping[str, Any], path: str) -> str:
         value = self._get(parent, path)
         if not isinstance(value, str) or not value:
-            _fail(self.source, path, f"expected a non-empty string, got {value!r}")
+            _fail(self.source, path, f"expected a non-empty string, got {_short(value)}")
         return value
 
-    def integer(self, parent: Mapping[str, Any], path: str, low: int) -> int:
+    def integer(self, parent: Mapping[str, Any], path: str, low: int, high: int | None = None) -> int:
         value = self._get(parent, path)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            _fail(self.source, path, f"expected an integer >= {low}, got {value!r}")
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        if not ok or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            _fail(self.source, path, f"expected an integer {bound}, got {_short(value)}")
         return value
 
-    def number(self, parent: Mapping[str, Any], path: str, low: float, low_open: bool = False) -> float:
-        return self.value(self._get(parent, path), path, low, low_open)
+    def number(self, parent: Mapping[str, Any], path: str, low: float, low_open: bool = False,
+               high: float = math.inf) -> float:
+        return self.value(self._get(parent, path), path, low, low_open, high)
 
-    def value(self, value: Any, path: str, low: float, low_open: bool = False) -> float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    def value(self, value: Any, path: str, low: float, low_open: bool = False,
+              high: float = math.inf) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok:
-            ok = value > low if low_open else value >= low
+            try:
+                ok = math.isfinite(value) and (value > low if low_open else value >= low)
+            except OverflowError:  # an int too large for a float
+                ok = False
+            ok = ok and value <= high
         if not ok:
             bound = f"> {low:g}" if low_open else f">= {low:g}"
-            _fail(self.source, path, f"expected a number {bound}, got {value!r}")
+            if high != math.inf:
+                bound += f" and <= {high:g}"
+            _fail(self.source, path, f"expected a number {bound}, got {_short(value)}")
         return float(value)
+
+    def seconds_array(self, parent: Mapping[str, Any], path: str, nonempty: bool = False,
+                      positive: bool = False) -> list[float]:
+        values = self.array(parent, path, nonempty=nonempty)
+        for i, t in enumerate(values):
+            self.value(t, f"{path}[{i}]", low=0.0, low_open=positive, high=MAX_SECONDS)
+        return values
+
+    def shape(self, parent: Mapping[str, Any], path: str) -> list[int]:
+        shape = self.array(parent, path)
+        ok = all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        if not ok or math.prod(shape) > MAX_NUMEL:
+            _fail(self.source, path, "expected non-negative integers with a product <= "
+                                     f"2**48, got {_short(shape)}")
+        return shape
+
+    def spec(self, parent: Mapping[str, Any], path: str) -> None:
+        from autotune.compressors.base import CompressorSpec
+
+        try:
+            CompressorSpec.from_dict(self._get(parent, path))
+        except AutotuneError as exc:
+            _fail(self.source, path, str(exc))
+
+    def policy(self, value: Any, path: str) -> None:
+        from autotune.policies import Policy
+
+        try:
+            Policy.from_dict(value, source=path)
+        except AutotuneError as exc:
+            raise ProfileError(f"{self.source}: {exc}") from exc
+
+
+def _short(value: Any) -> str:
+    """repr of a value from a file, cut to a readable length."""
+    return reprlib.repr(value)
 
 
 def _fail(source: str, path: str, problem: str) -> NoReturn:
