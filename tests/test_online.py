@@ -17,7 +17,7 @@ import torch.distributed as dist
 from test_models import synthetic_profile
 
 import autotune
-from autotune.errors import PolicyError
+from autotune.errors import AutotuneError
 from autotune.policies import Policy
 from autotune.workloads import resolve_workload
 
@@ -53,9 +53,11 @@ def _train(model: Any, work: Any, steps: int, opt: torch.optim.Optimizer,
 
 
 # ------------------------------------------------------------------------ ranks
-def rank_switch_in_lockstep(profile: str, steps: int = 45) -> dict[str, Any]:
+def rank_switch_in_lockstep(profile: str, steps: int = 120) -> dict[str, Any]:
     """Rank 0 proposes policies from another thread at random times; ranks run at
-    different speeds. Everyone must switch at the same step to the same policy."""
+    different speeds. Everyone must switch at the same step to the same policy. The four
+    proposals take about 1.3 s; the steps' sleeps alone last about 2.4 s, so all of them
+    land during training however fast the machine (45 steps were too few when idle)."""
     work = resolve_workload("mlp")
     ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
                         check_every=3, patience=10**6)
@@ -258,14 +260,33 @@ def test_online_false_never_revises(run_ranks) -> None:
         assert r == {"controller": True, "policies": 1}
 
 
-def rank_online_needs_profile() -> str:
-    work = resolve_workload("mlp")
-    try:
-        autotune.wrap(work.model, online=True)
-    except PolicyError as exc:
-        return str(exc)
-    return "no error"
+def rank_online_bad_input(profile: str, other_profile: str, log: str) -> dict[str, str]:
+    """Each bad online set-up fails in wrap() with one AutotuneError, before training."""
+    cases = {
+        "no profile": {},
+        "another model's profile": {"profile": other_profile},
+        "bad knob": {"profile": profile, "check_every": 0},
+        "unwritable log": {"profile": profile, "log": log},
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        try:
+            autotune.wrap(resolve_workload("mlp").model, online=True, **kwargs)
+            out[name] = "no error"
+        except AutotuneError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
-def test_online_needs_a_profile(run_ranks) -> None:
-    assert "profile=" in run_ranks("test_online:rank_online_needs_profile", nprocs=1)[0]
+def test_bad_online_setups_fail_in_wrap(run_ranks, mlp_profile: str, tmp_path: Path) -> None:
+    other = tmp_path / "cnn.json"
+    synthetic_profile("cnn").save(other)
+    log = tmp_path / "missing-dir" / "revisions.jsonl"
+    out = run_ranks("test_online:rank_online_bad_input", nprocs=1, profile=mlp_profile,
+                    other_profile=str(other), log=str(log))[0]
+    assert out["no profile"].startswith("PolicyError") and "profile=" in out["no profile"]
+    assert out["another model's profile"].startswith("ProfileError")
+    assert "the wrapped model is not the profiled model (cnn)" in out["another model's profile"]
+    assert "check_every" in out["bad knob"]
+    assert "cannot write the revision log" in out["unwritable log"]
+    assert not log.parent.exists()

@@ -166,9 +166,8 @@ def test_workload_flags_say_that_a_file_is_run() -> None:
     subcommands = next(a for a in parser._actions if a.dest == "command").choices
     with_workload = {name: sub for name, sub in subcommands.items()
                      if any(a.dest == "workload" for a in sub._actions)}
-    assert {"profile", "tune", "bench"} <= set(with_workload)
-    for name in ("profile", "tune", "bench"):  # demo's --workload: see cli/demo.py
-        sub = with_workload[name]
+    assert {"profile", "tune", "bench", "demo"} <= set(with_workload)
+    for name, sub in with_workload.items():
         help_text = " ".join(sub.format_help().split())
         assert "runs that file's code" in help_text, f"autotune {name} --help"
     readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())

@@ -36,7 +36,9 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "OUT_DIR/report/index.html (`autotune report`, needs matplotlib).",
     )
     parser.add_argument("--workload", default="cnn",
-                        help="built-in name, path/to/file.py:function or package.module:function")
+                        help="built-in name, path/to/file.py:function or package.module:function "
+                             "(a file or module is imported: this runs that file's code, as "
+                             "`python file.py` would)")
     parser.add_argument("--link", default="1gbit",
                         help="emulated link between the two hosts when run as root ('none': loopback)")
     parser.add_argument("--budget-s", type=positive_float, default=40.0, help="probing budget")

@@ -13,6 +13,7 @@ state) stays on the rank, in the compressor, and is saved with ``state_dict()``.
 from __future__ import annotations
 
 import math
+import reprlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
@@ -84,7 +85,7 @@ class Param:
         if not ok:
             raise CompressorError(
                 f"The {name!r} parameter of {compressor} must be {self.expected()}. "
-                f"Got {value!r} instead."
+                f"Got {reprlib.repr(value)} instead."
             )
         return self.kind(value)
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.errors import AutotuneError
+from autotune.jsonio import check_writable
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
 
@@ -155,6 +156,8 @@ class Controller:
         self._proposal: tuple[Policy, dict[str, Any]] | None = None
         self._top: list[Policy] = []
         if self.rank == 0:
+            if config.log is not None:  # fail now, not at the first decision mid-training
+                check_writable(config.log, AutotuneError, "the revision log")
             state.listeners.append(self._on_record)
 
     # ------------------------------------------------------------------ public

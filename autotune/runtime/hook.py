@@ -90,7 +90,9 @@ class _Plan:
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
     pg = group if group is not None else dist.group.WORLD
     try:
-        backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        # the backend serving this group's tensors: NCCL's lives under "cuda"
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        backend = pg._get_backend(device)  # type: ignore[union-attr]
         return backend.options._timeout
     except (AttributeError, RuntimeError):
         return dist.default_pg_timeout

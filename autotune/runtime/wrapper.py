@@ -13,6 +13,7 @@ separately, as with PyTorch's ``PowerSGDState``: ``model.comm_state.state_dict()
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping
 
@@ -23,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from autotune.errors import AutotuneError, PolicyError
 from autotune.policies import Policy, load_policy
 from autotune.runtime.hook import AutotuneState, dispatch_hook
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AutotuneDDP", "wrap"]
 
@@ -58,6 +61,23 @@ class AutotuneDDP(DistributedDataParallel):
                 f"(bucket_cap_mb={policy.bucket_cap_mb:g}); change it there, not in wrap()"
             )
         policy.check(module).raise_if_unknown()
+        if online:
+            # A bad or foreign profile, or an unknown knob, fails here, before DDP is built.
+            from autotune.online import OnlineConfig
+            from autotune.probes.profile import Profile, load_profile
+
+            if profile is None:
+                raise PolicyError("online=True needs profile= (the profile the policy was tuned on, "
+                                  "or any profile of this job): revisions are predicted from it")
+            if not isinstance(profile, Profile):
+                profile = load_profile(profile)
+            profile.check_model(module, "the wrapped model")
+            try:
+                config = OnlineConfig(**dict(online_options or {}))
+            except TypeError as exc:  # an unknown knob
+                raise PolicyError(f"online options: {exc}") from None
+        elif online_options:
+            raise PolicyError(f"{', '.join(sorted(online_options))} apply only with online=True")
         super().__init__(module, bucket_cap_mb=policy.bucket_cap_mb, **ddp_kwargs)
         self.comm_state = AutotuneState(
             policy, self.module, self.process_group, compress_from_step=compress_from_step,
@@ -68,18 +88,13 @@ class AutotuneDDP(DistributedDataParallel):
         # search) loads only then, keeping the training path light.
         self.controller: Any = None
         if online:
-            from autotune.online import Controller, OnlineConfig
-            from autotune.probes.profile import Profile, load_profile
+            from autotune.online import Controller
 
-            if profile is None:
-                raise PolicyError("online=True needs profile= (the profile the policy was tuned on, "
-                                  "or any profile of this job): revisions are predicted from it")
-            if not isinstance(profile, Profile):
-                profile = load_profile(profile)
-            self.controller = Controller(self.comm_state, profile,
-                                         OnlineConfig(**dict(online_options or {})), self.process_group)
-        elif online_options:
-            raise PolicyError(f"{', '.join(sorted(online_options))} apply only with online=True")
+            if profile.world_size != self.comm_state.world_size:
+                logger.warning("the profile was taken on %d rank(s), this job has %d: revisions "
+                               "are predicted for the profiled world size", profile.world_size,
+                               self.comm_state.world_size)
+            self.controller = Controller(self.comm_state, profile, config, self.process_group)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # Between steps: where the online controller may switch policies, never inside
