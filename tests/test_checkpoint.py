@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_habits import LAYERS, SmallNet, batch, digest, state_finite
+from test_habits import LAYERS, SmallNet, WarningCapture, batch, digest, state_finite
 
 import autotune
 from autotune import Policy
@@ -110,19 +110,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # --------------------------------------------------------------------------- ranks
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def rank_restore_other_world(directory: str) -> dict[str, Any]:
     """Load a 2-rank checkpoint on this job (of another size) and train 2 steps."""
     rank = dist.get_rank()
-    capture = _Capture()
+    capture = WarningCapture()
     logging.getLogger("autotune.runtime.hook").addHandler(capture)
     saved = torch.load(Path(directory) / f"ckpt{rank % 2}.pt", weights_only=True)
     ddp, opt = _build()

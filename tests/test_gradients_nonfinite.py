@@ -18,22 +18,22 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_habits import CAP_MB, SmallNet, batch, digest, mixed_policy, state_digest, state_finite
+from test_habits import (
+    CAP_MB,
+    SmallNet,
+    WarningCapture,
+    batch,
+    digest,
+    mixed_policy,
+    state_digest,
+    state_finite,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autotune
 from autotune.launch import launch
 
 BAD_STEP = 3
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -46,7 +46,7 @@ def rank_nonfinite(inject: str, steps: int = 6, guard: bool = True) -> dict[str,
     ``nan``: its loss is NaN (every gradient NaN); ``inf``: one element of
     ``fc2.weight``'s gradient (PowerSGD, with error feedback and a warm-start Q) is Inf."""
     rank = dist.get_rank()
-    capture = _Capture()
+    capture = WarningCapture()
     logging.getLogger("autotune.runtime.hook").addHandler(capture)
     torch.manual_seed(0)
     model = SmallNet()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 from typing import Any, Iterator
 
 import pytest
@@ -28,6 +29,17 @@ import autotune
 from autotune import Policy
 from autotune.errors import AutotuneError
 from autotune.launch import launch
+
+
+class WarningCapture(logging.Handler):
+    """Collects the messages of warnings logged on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 class SmallNet(nn.Module):
