@@ -12,7 +12,7 @@ from rich.table import Table
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import add_cluster_arguments, check_out_path, placement
-from autotune.errors import AutotuneError, PolicyError
+from autotune.errors import AutotuneError
 
 # Baselines as users run them: DDP with its defaults, and PyTorch's own hooks.
 BASELINES: dict[str, dict[str, Any]] = {
@@ -109,11 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     policy = None
     if args.policy is not None:
         policy = load_policy(args.policy)
-        try:
-            policy.check(work.model).raise_if_unknown()
-        except PolicyError as exc:  # name the file and the workload, not just "policy"
-            raise PolicyError(f"{args.policy} on --workload {args.workload}: "
-                              f"{str(exc).removeprefix('policy: ')}") from exc
+        policy.check(work.model).raise_if_unknown(f"{args.policy} on --workload {args.workload}")
     if args.json is not None:
         check_out_path(args.json, "results")
     if not args.baselines and policy is None:

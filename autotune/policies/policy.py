@@ -66,8 +66,11 @@ class PolicyCheck:
         """True when every layer name of the policy is a trainable parameter."""
         return not self.unknown
 
-    def raise_if_unknown(self) -> None:
+    def raise_if_unknown(self, source: str = "policy") -> None:
         """Raise if the policy names parameters the model does not train.
+
+        Args:
+            source: how the message names the policy (a file, with the model it met).
 
         Raises:
             PolicyError: listing up to five unknown names and how many there are.
@@ -79,7 +82,7 @@ class PolicyCheck:
         if more > 0:
             shown += f" and {more} more"
         raise PolicyError(
-            f"policy: layers: {len(self.unknown)} name(s) match no trainable parameter of "
+            f"{source}: layers: {len(self.unknown)} name(s) match no trainable parameter of "
             f"the model: {shown}"
         )
 
