@@ -10,7 +10,7 @@ import torch
 from autotune import compressors
 from autotune.compressors import LocalComm
 from autotune.errors import CompressorError, ProfileError
-from autotune.probes.codecs import BASELINE_GRID, DEFAULT_GRID, probe_codecs
+from autotune.probes.codecs import BASELINE_SPECS, DEFAULT_GRID, probe_codecs
 from autotune.probes.compute import probe_compute
 from autotune.workloads import mlp
 
@@ -105,7 +105,7 @@ def test_budget_skips_sizes_but_never_a_whole_method_nor_a_baseline() -> None:
     assert out["truncated"] is True
     methods = list(dict.fromkeys(g["compressor"] for g in DEFAULT_GRID))
     firsts = [next(g for g in DEFAULT_GRID if g["compressor"] == m) for m in methods]
-    kept = firsts + [g for g in BASELINE_GRID if g not in firsts]
+    kept = firsts + [g for g in BASELINE_SPECS.values() if g not in firsts]
     # the first of each method and the tuner's baselines (PowerSGD rank 1 is not a first)
     assert {"compressor": "powersgd", "rank": 1} in out["grid"]
     assert sorted(map(str, out["grid"])) == sorted(map(str, kept))

@@ -17,7 +17,7 @@ import pytest
 from test_models import synthetic_profile
 
 from autotune.cli import main
-from autotune.cli.report import baseline_policies
+from autotune.cli.simulate import baseline_policies
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import load_policy

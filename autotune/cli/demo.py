@@ -53,7 +53,7 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 def cmd_demo(args: argparse.Namespace) -> int:
     from autotune.cli.bench import BASELINES, print_bench, run_bench
     from autotune.cli.profile import take_profile
-    from autotune.cli.report import baseline_policies
+    from autotune.cli.simulate import baseline_policies
     from autotune.emulate import available
     from autotune.errors import AutotuneError
     from autotune.jsonio import write_atomic

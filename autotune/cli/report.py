@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console
 
@@ -42,19 +41,11 @@ def add_report_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def baseline_policies() -> dict[str, Any]:
-    """``autotune simulate``'s baselines as policies (None: plain DDP, default buckets)."""
-    from autotune.cli.simulate import BASELINES
-    from autotune.policies import Policy
-
-    return {name: None if spec is None else Policy.from_dict({"version": 1, "default": spec})
-            for name, spec in BASELINES.items()}
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from autotune.report import require_matplotlib
 
     require_matplotlib()  # before the heavy imports: a missing extra is told at once
+    from autotune.cli.simulate import baseline_policies
     from autotune.errors import AutotuneError
     from autotune.policies import load_policy
     from autotune.probes.profile import load_profile

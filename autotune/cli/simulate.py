@@ -15,12 +15,15 @@ from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positi
 from autotune.cli.profile import check_out_path
 from autotune.errors import AutotuneError, ProfileError
 
-BASELINES = {
-    "ddp": None,  # plain DDP as users construct it: default buckets
-    "fp16": {"compressor": "fp16"},
-    "powersgd1": {"compressor": "powersgd", "rank": 1},
-    "powersgd4": {"compressor": "powersgd", "rank": 4},
-}
+
+def baseline_policies() -> dict[str, Any]:
+    """The baselines as policies, by name: plain DDP as users construct it (None: default
+    buckets), fp16, PowerSGD rank 1 and 4."""
+    from autotune.policies import Policy
+    from autotune.probes.codecs import BASELINE_SPECS
+
+    return {"ddp": None, **{name: Policy.from_dict({"version": 1, "default": dict(spec)})
+                            for name, spec in BASELINE_SPECS.items()}}
 
 
 def _rates(text: str) -> list[float]:
@@ -126,8 +129,7 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise ProfileError(f"{args.policy}: names parameters the profiled model lacks: "
                                f"{', '.join(unknown[:5])}")
         configs.append(("policy", policy))
-    for name, spec in BASELINES.items():
-        configs.append((name, None if spec is None else Policy.from_dict({"version": 1, "default": spec})))
+    configs += baseline_policies().items()
     worlds = args.world_size or [model.world_size]
     rates = args.bandwidth or [model.link_bps]
     results = []

@@ -42,7 +42,7 @@ from autotune.compressors import CompressorSpec, LocalComm
 from autotune.compressors.comm import all_gather_flat
 from autotune.errors import ProfileError
 
-__all__ = ["BASELINE_GRID", "DEFAULT_GRID", "probe_codecs"]
+__all__ = ["BASELINE_SPECS", "DEFAULT_GRID", "probe_codecs"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,15 @@ DEFAULT_GRID: tuple[Mapping[str, Any], ...] = (
     {"compressor": "topk", "ratio": 0.001},
     {"compressor": "topk", "ratio": 0.1},
 )
-# Also measured whatever the budget, where the grid has them: the set-ups every tuning
-# compares against (fp16 and PyTorch's PowerSGD at rank 1 and 4 everywhere).
-BASELINE_GRID: tuple[Mapping[str, Any], ...] = (
-    {"compressor": "fp16"},
-    {"compressor": "powersgd", "rank": 1},
-    {"compressor": "powersgd", "rank": 4},
-)
+# The compressors of the set-ups every tuning compares against besides plain DDP (fp16
+# and PyTorch's PowerSGD at rank 1 and 4, everywhere), by baseline name: the tuner,
+# `autotune simulate` and the report use them, and the codec probe measures them
+# whatever its budget, where its grid has them.
+BASELINE_SPECS: Mapping[str, Mapping[str, Any]] = {
+    "fp16": {"compressor": "fp16"},
+    "powersgd1": {"compressor": "powersgd", "rank": 1},
+    "powersgd4": {"compressor": "powersgd", "rank": 4},
+}
 
 
 def _check_grads(grads: Mapping[str, Sequence[Tensor]]) -> int:
@@ -232,7 +234,7 @@ def probe_codecs(
     # the first configuration of each method, and the baselines, are measured whatever
     # the budget
     first_of_name = {spec.name: i for i, spec in reversed(list(enumerate(specs)))}
-    baselines = {CompressorSpec.from_dict(d).canonical() for d in BASELINE_GRID}
+    baselines = {CompressorSpec.from_dict(d).canonical() for d in BASELINE_SPECS.values()}
     essential = set(first_of_name.values())
     essential |= {i for i, spec in enumerate(specs) if spec.canonical() in baselines}
     done: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}

@@ -29,6 +29,7 @@ from autotune.errors import AutotuneError, ProfileError
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
+from autotune.probes.codecs import BASELINE_SPECS
 from autotune.probes.profile import Profile
 from autotune.search.space import ErrorModel, SearchSpace
 
@@ -77,14 +78,9 @@ def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
               max_error: float, what_if: WhatIf | None = None) -> list[Candidate]:
     """The hand-picked set-ups a user would try, predicted exactly."""
     out = []
-    specs = {
-        "fp16": {"compressor": "fp16"},
-        "powersgd1": {"compressor": "powersgd", "rank": 1},
-        "powersgd4": {"compressor": "powersgd", "rank": 4},
-    }
     policies = [(f"ddp{cap:g}mb" if cap != 25 else "ddp", Policy(bucket_cap_mb=cap))
                 for cap in (1.0, 5.0, 25.0, 100.0)]
-    policies += [(name, Policy.from_dict({"version": 1, "default": spec})) for name, spec in specs.items()]
+    policies += [(name, Policy.from_dict({"version": 1, "default": spec})) for name, spec in BASELINE_SPECS.items()]
     for name, policy in policies:
         try:
             err = errors.of(policy)
