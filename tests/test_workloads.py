@@ -18,6 +18,7 @@ from autotune.workloads import (
     cnn,
     describe,
     digits,
+    dlrm,
     mlp,
     resolve_workload,
     transformer,
@@ -28,6 +29,7 @@ SMALL: dict[str, Callable[[], Workload]] = {
     "mlp": lambda: mlp(batch_size=8),
     "cnn": lambda: cnn(batch_size=2),
     "transformer": lambda: transformer(batch_size=2),
+    "dlrm": lambda: dlrm(batch_size=8),
     "digits": lambda: digits(batch_size=8),
 }
 
@@ -41,11 +43,19 @@ def _params_equal(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Tensors, or tuples of tensors (dlrm's (dense, sparse) inputs), equal throughout."""
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
 # --- every built-in -------------------------------------------------------------------
 
 
 def test_registry_names_every_builtin() -> None:
-    assert BUILTINS == {"mlp": mlp, "cnn": cnn, "transformer": transformer, "digits": digits}
+    assert BUILTINS == {"mlp": mlp, "cnn": cnn, "transformer": transformer, "dlrm": dlrm,
+                        "digits": digits}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
@@ -69,17 +79,17 @@ def test_one_training_step_has_finite_loss_and_gradients(workload: Workload) -> 
 def test_make_batch_is_deterministic_per_step_and_rank(workload: Workload) -> None:
     x0, y0 = workload.make_batch(0)
     x0_again, y0_again = workload.make_batch(0)
-    assert torch.equal(x0, x0_again) and torch.equal(y0, y0_again)
+    assert _same(x0, x0_again) and torch.equal(y0, y0_again)
     x1, _ = workload.make_batch(1)
-    assert not torch.equal(x0, x1)
+    assert not _same(x0, x1)
 
 
 def test_make_batch_differs_between_ranks(workload: Workload) -> None:
     make: Any = workload.make_batch  # built-ins accept explicit rank/world_size
     a, _ = make(3, rank=0, world_size=2)
     b, _ = make(3, rank=1, world_size=2)
-    assert not torch.equal(a, b)
-    assert torch.equal(a, make(3, rank=0, world_size=2)[0])
+    assert not _same(a, b)
+    assert _same(a, make(3, rank=0, world_size=2)[0])
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -152,6 +162,12 @@ def test_invalid_builtin_arguments_raise_workload_error() -> None:
         transformer(seq_len=16, period=32)
     with pytest.raises(WorkloadError, match="test_fraction"):
         digits(test_fraction=1.5)
+    with pytest.raises(WorkloadError, match="one pooling factor"):
+        dlrm(tables=((100, 16), (100, 16)), pooling=(1,))
+    with pytest.raises(WorkloadError, match="rows >= 1"):
+        dlrm(tables=((0, 16),), pooling=(1,))
+    with pytest.raises(WorkloadError, match="zipf"):
+        dlrm(zipf=-1.0)
 
 
 def test_workload_checks_its_fields() -> None:
@@ -163,6 +179,96 @@ def test_workload_checks_its_fields() -> None:
         Workload(model=nn.Linear(1, 1), make_batch=bad, loss_fn=loss)
     with pytest.raises(WorkloadError, match="evaluate must be callable"):
         Workload(model=nn.Linear(1, 1), make_batch=lambda s: s, loss_fn=loss, evaluate=bad)
+
+
+# --- dlrm: embedding tables, skewed sparse lookups ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_dlrm() -> Workload:
+    return dlrm(batch_size=256)
+
+
+def _tables(wl: Workload) -> list[nn.EmbeddingBag]:
+    return [m for m in wl.model.modules() if isinstance(m, nn.EmbeddingBag)]
+
+
+def test_dlrm_is_embedding_heavy_with_dense_table_gradients(big_dlrm: Workload) -> None:
+    tables = _tables(big_dlrm)
+    assert len(tables) >= 4
+    rows = [t.num_embeddings for t in tables]
+    dims = [t.embedding_dim for t in tables]
+    assert 10**4 <= min(rows) and max(rows) <= 10**6 and max(rows) >= 10 * min(rows)
+    assert 16 <= min(dims) and max(dims) <= 128 and len(set(dims)) >= 3
+    # dense gradients: what DDP with a communication hook needs (and users write)
+    assert not any(t.sparse for t in tables) and all(t.mode == "sum" for t in tables)
+    table_bytes = 4 * sum(t.weight.numel() for t in tables)
+    assert 30e6 <= table_bytes <= 60e6  # ~1.5 s per allreduce on a 300 Mbit/s link
+    assert table_bytes >= 0.99 * 4 * describe(big_dlrm)["num_parameters"]
+
+
+def test_dlrm_batches_are_dense_features_and_bags_of_valid_ids(big_dlrm: Workload) -> None:
+    (dense, sparse), y = big_dlrm.make_batch(0)
+    tables = _tables(big_dlrm)
+    assert dense.shape == (256, 13) and dense.dtype == torch.float32
+    assert sparse.dtype == torch.long and sparse.shape == (256, 4 + 2 + 2 + 1 + 1 + 1)
+    assert set(y.unique().tolist()) == {0.0, 1.0} and y.dtype == torch.float32
+    bounds = [0, 4, 6, 8, 9, 10, 11]
+    for t, table in enumerate(tables):
+        ids = sparse[:, bounds[t] : bounds[t + 1]]
+        assert int(ids.min()) >= 0 and int(ids.max()) < table.num_embeddings
+
+
+def test_dlrm_steps_touch_a_small_skewed_subset_of_rows(big_dlrm: Workload) -> None:
+    make: Any = big_dlrm.make_batch
+    tables = _tables(big_dlrm)
+    bounds = [0, 4, 6, 8, 9, 10, 11]
+    seen: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for rank in (0, 1):
+        for step in (0, 1):
+            (_, sparse), _ = make(step, rank=rank, world_size=2)
+            rows: set[tuple[int, int]] = set()
+            for t, table in enumerate(tables):
+                ids = sparse[:, bounds[t] : bounds[t + 1]].flatten()
+                touched = ids.unique()
+                # a step touches under 1% of each large table, a few percent of the small
+                assert len(touched) / table.num_embeddings < (0.01 if t < 3 else 0.05)
+                # skewed: ids repeat far more than uniform draws would
+                assert len(touched) < 0.8 * len(ids)
+                rows |= {(t, int(i)) for i in touched}
+            seen[rank, step] = rows
+    # ranks and steps draw different rows, and share the popular ones
+    assert seen[0, 0] != seen[1, 0] and seen[0, 0] != seen[0, 1]
+    assert len(seen[0, 0] & seen[1, 0]) > 0.1 * len(seen[0, 0])
+
+
+def test_dlrm_table_gradients_are_mostly_zero_rows(big_dlrm: Workload) -> None:
+    model = big_dlrm.model
+    x, y = big_dlrm.make_batch(0)
+    model.zero_grad()
+    big_dlrm.loss_fn(model(x), y).backward()
+    for table in _tables(big_dlrm):
+        assert table.weight.grad is not None and table.weight.grad.layout == torch.strided
+        nonzero_rows = (table.weight.grad != 0).any(dim=1).float().mean()
+        assert 0 < nonzero_rows < 0.05
+    model.zero_grad(set_to_none=True)
+
+
+def test_dlrm_labels_are_learnable(one_thread: None) -> None:
+    # small tables, so that the test is quick; the defaults learn the same way
+    wl = dlrm(tables=((5_000, 16), (2_000, 32), (1_000, 64)), pooling=(2, 1, 1),
+              batch_size=128, seed=1)
+    assert wl.evaluate is not None
+    before = wl.evaluate(wl.model)
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(150):
+        x, y = wl.make_batch(step)
+        opt.zero_grad()
+        wl.loss_fn(wl.model(x), y).backward()
+        opt.step()
+    after = wl.evaluate(wl.model)
+    assert 0.35 < before < 0.65
+    assert after > before + 0.05
 
 
 # --- digits: the convergence workload -------------------------------------------------
@@ -265,7 +371,7 @@ def test_resolve_file_form_absolute_and_relative(user_file: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("resnet50", r"unknown workload 'resnet50'.*Built-ins: mlp, cnn, transformer, digits"),
+        ("resnet50", r"unknown workload 'resnet50'.*Built-ins: mlp, cnn, transformer, dlrm, digits"),
         ("", "unknown workload"),
         ("missing.py:make", "workload file not found: .*missing.py"),
         ("sub/dir/missing.py:make", "workload file not found"),
