@@ -30,7 +30,7 @@ __all__ = ["Setup", "rank_measure", "summarize"]
 # What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
 # communication hooks, the compute-only floor.
 KINDS = ("ddp", "policy", "hook", "floor")
-HOOKS = ("fp16", "powersgd")
+HOOKS = ("fp16", "bf16", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Setup:
     kind: str = "policy"  # one of KINDS
     policy: dict[str, Any] | None = None  # policy JSON object, for kind "policy"
     bucket_cap_mb: float | None = None  # for "ddp" and "hook"; None: DDP's default buckets
-    hook: str | None = None  # for kind "hook": "fp16" or "powersgd"
+    hook: str | None = None  # for kind "hook": one of HOOKS
     rank: int = 1  # PowerSGD's matrix approximation rank, for hook "powersgd"
     online: dict[str, Any] | None = None  # for kind "policy": wrap(online=True, **online)
 
@@ -67,9 +67,50 @@ class _Runner:
     step: int = 0
     times: list[float] = field(default_factory=list)
     note: str = ""
+    timer: _HookTimer | None = None  # stock hooks: their time per bucket
 
 
-def _stock_hook(setup: Setup, module: torch.nn.Module) -> tuple[DistributedDataParallel, str]:
+class _HookTimer:
+    """Wraps a stock DDP hook to time it per bucket: ``in_hook`` (its own work before it
+    returns: encoding, issuing the first collective) and ``after_hook`` (from then until
+    its future completes: collectives, later stages, decoding). PyTorch's hooks expose
+    no finer phases; autotune's own breakdown (``comm_state``) has them."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        self.totals: dict[str, float] = {"in_hook": 0.0, "after_hook": 0.0}
+        self.buckets = 0
+        self.last: dict[int, dict[str, float]] = {}  # by bucket index, latest step
+
+    def time_bucket(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+        fut = self.hook(state, bucket)
+        inside = time.perf_counter() - start
+        index = bucket.index()
+
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            after = time.perf_counter() - start - inside
+            self.totals["in_hook"] += inside
+            self.totals["after_hook"] += after
+            self.buckets += 1
+            self.last[index] = {"in_hook": inside, "after_hook": after}
+            return f.value()
+
+        return fut.then(done)
+
+    def as_hook(self) -> Callable[..., Any]:
+        """A plain function for ``register_comm_hook`` (DDP wants a named function whose
+        annotations, if any, are the real classes, not postponed strings)."""
+
+        def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
+            return self.time_bucket(state, bucket)
+
+        return timed_hook
+
+
+def _stock_hook(
+    setup: Setup, module: torch.nn.Module
+) -> tuple[DistributedDataParallel, str, _HookTimer]:
     """DDP with one of PyTorch's own hooks, run the way it can run here."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -84,26 +125,35 @@ def _stock_hook(setup: Setup, module: torch.nn.Module) -> tuple[DistributedDataP
                 "two or more")
     model = DistributedDataParallel(module, **caps)
     if setup.hook == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        state, hook = None, default_hooks.fp16_compress_hook
+    elif setup.hook == "bf16":
+        if dist.get_backend() != "nccl":
+            raise AutotuneError(
+                f"set-up {setup.name!r}: PyTorch's bf16_compress_hook needs NCCL (CUDA 11+, "
+                f"NCCL 2.10+); this job runs on {dist.get_backend()}")
+        state, hook = None, default_hooks.bf16_compress_hook
     else:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=setup.rank, start_powerSGD_iter=2,
             min_compression_rate=2, use_error_feedback=True, warm_start=True,
         )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    return model, note
+        hook = powerSGD_hook.powerSGD_hook
+    timer = _HookTimer(hook)
+    model.register_comm_hook(state, timer.as_hook())
+    return model, note, timer
 
 
 def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
     module = copy.deepcopy(base)
     note = ""
+    timer = None
     if setup.kind == "floor":
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
         caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
         model = DistributedDataParallel(module, **caps)
     elif setup.kind == "hook":
-        model, note = _stock_hook(setup, module)
+        model, note, timer = _stock_hook(setup, module)
     else:
         from autotune.policies import Policy
         from autotune.runtime import wrap
@@ -111,7 +161,7 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
         policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
         model = wrap(module, policy, **({"online": True, **setup.online} if setup.online else {}))
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    return _Runner(setup, model, module, optimizer, note=note)
+    return _Runner(setup, model, module, optimizer, note=note, timer=timer)
 
 
 def _run_step(runner: _Runner, make_batch: Callable[[int], Any], loss_fn: Callable[..., Any]) -> float:
@@ -159,6 +209,7 @@ def rank_measure(
     for runner in runners:
         for _ in range(warmup):
             _run_step(runner, work.make_batch, work.loss_fn)
+    before = {id(r): _totals(r) for r in runners}
     for _ in range(rounds):
         for runner in runners:
             dist.barrier()  # every set-up's block starts together on all ranks
@@ -172,6 +223,9 @@ def rank_measure(
                                  "step_s_median": statistics.median(times.tolist())}
         if runner.note:
             entry["note"] = runner.note
+        breakdown = _breakdown(runner, before[id(runner)])
+        if breakdown is not None:
+            entry["breakdown"] = breakdown
         state = getattr(runner.model, "comm_state", None)
         if state is not None:
             by_comp: dict[str, int] = {}
@@ -189,6 +243,37 @@ def rank_measure(
             )
         results.append(entry)
     return {"world_size": dist.get_world_size(), "workload": work.name, "results": results}
+
+
+def _totals(runner: _Runner) -> tuple[dict[str, float], int] | None:
+    """Seconds by phase over all buckets so far, and the bucket count; None if the
+    set-up has no timed hook (plain DDP, the floor)."""
+    state = getattr(runner.model, "comm_state", None)
+    if state is not None:
+        return dict(state.breakdown_totals), state.breakdown_buckets
+    if runner.timer is not None:
+        return dict(runner.timer.totals), runner.timer.buckets
+    return None
+
+
+def _breakdown(runner: _Runner, before: tuple[dict[str, float], int] | None) -> dict[str, Any] | None:
+    """This rank's mean seconds per measured step by phase, and the last step's buckets."""
+    after = _totals(runner)
+    if after is None or before is None:
+        return None
+    steps = max(1, len(runner.times))
+    per_step = {k: (v - before[0].get(k, 0.0)) / steps for k, v in after[0].items()}
+    state = getattr(runner.model, "comm_state", None)
+    if state is not None:
+        buckets = [{"index": r.index, "numel": r.numel, "path": "channel" if r.compressed else "direct",
+                    "seconds": r.seconds, "breakdown": r.breakdown,
+                    "collectives": [list(c) for c in r.collectives]}
+                   for r in state.last_step_records()]
+    else:  # a stock hook (_totals returned its timer's)
+        last = runner.timer.last if runner.timer is not None else {}
+        buckets = [{"index": i, "breakdown": b} for i, b in sorted(last.items())]
+    return {"per_step_s": per_step, "buckets_per_step": (after[1] - before[1]) / steps,
+            "last_step_buckets": buckets}
 
 
 def summarize(result: dict[str, Any], baseline: str | None = None) -> list[dict[str, Any]]:

@@ -14,13 +14,17 @@ from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positi
 from autotune.cli.profile import add_cluster_arguments, check_out_path, placement
 from autotune.errors import AutotuneError
 
-# Baselines as users run them: DDP with its defaults, and PyTorch's own hooks.
+# Baselines as users run them: DDP with its defaults, and PyTorch's own hooks. The stock
+# bf16 hook needs NCCL, so it is measured only when asked for (--baselines ...,bf16).
 BASELINES: dict[str, dict[str, Any]] = {
     "ddp": {"kind": "ddp"},
     "fp16": {"kind": "hook", "hook": "fp16"},
+    "bf16": {"kind": "hook", "hook": "bf16"},
     "powersgd1": {"kind": "hook", "hook": "powersgd", "rank": 1},
     "powersgd4": {"kind": "hook", "hook": "powersgd", "rank": 4},
 }
+
+DEFAULT_BASELINES = [name for name in BASELINES if name != "bf16"]
 
 
 def _names(text: str) -> list[str]:
@@ -39,7 +43,7 @@ def add_bench_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "measure step times of a policy, the baselines and the compute-only floor",
         "Train the workload under every configuration in one job, interleaved (A B C A B C),\n"
         "and report median step times (the slowest rank's) next to the compute-only floor.\n"
-        "Baselines are PyTorch's own: DDP's defaults, fp16_compress_hook and powerSGD_hook\n"
+        "Baselines are PyTorch's own: DDP's defaults, fp16/bf16_compress_hook and powerSGD_hook\n"
         "(on gloo, the stock PowerSGD hook runs with a single bucket, the only way it does\n"
         "not deadlock; the results say so).\n\n"
         "examples:\n  autotune bench --workload cnn --policy policy.json\n"
@@ -51,12 +55,19 @@ def add_bench_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                              "`python file.py` would)")
     add_cluster_arguments(parser)
     parser.add_argument("--policy", type=Path, help="a policy to measure beside the baselines")
-    parser.add_argument("--baselines", type=_names, default=list(BASELINES),
-                        help="comma-separated: " + ",".join(BASELINES))
+    parser.add_argument("--baselines", type=_names, default=DEFAULT_BASELINES,
+                        help="comma-separated, from " + ",".join(BASELINES) + " (default: "
+                             + ",".join(DEFAULT_BASELINES) + "; bf16 is PyTorch's "
+                             "bf16_compress_hook, which needs NCCL)")
     parser.add_argument("--steps", type=positive_int, default=12,
                         help="measured steps per configuration (in blocks of --block)")
     parser.add_argument("--block", type=positive_int, default=3, help="consecutive steps per block")
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print, per configuration, where each bucket's time goes "
+                             "(wait, guard, queue, flatten, encode, each collective, decode, "
+                             "copy back; PyTorch's stock hooks: in the hook / after it), in ms "
+                             "per step on rank 0 (default: off; the JSON always has it)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write the results as JSON to OUT")
     parser.set_defaults(func=cmd_bench)
@@ -101,6 +112,34 @@ def print_bench(result: dict[str, Any]) -> None:
     out.print(table)
 
 
+def print_breakdown(result: dict[str, Any]) -> None:
+    """One table per configuration: each bucket's time by phase in its last measured
+    step, and the mean per step over the measured steps (rank 0's view)."""
+    from autotune.runtime.hook import PHASES
+
+    out = console()
+    for r in result["results"]:
+        bd = r.get("breakdown")
+        if bd is None:
+            continue
+        per_step = bd["per_step_s"]
+        order = [p for p in (*PHASES, "in_hook", "after_hook") if p in per_step]
+        table = Table(title=f"{r['name']}: where the communication time goes (ms, rank 0; "
+                            f"median step {r['step_s_median'] * 1e3:.1f} ms)")
+        table.add_column("bucket", justify="left")
+        table.add_column("MB", justify="right")
+        table.add_column("path", justify="left")
+        for phase in order:
+            table.add_column(phase, justify="right")
+        for b in bd["last_step_buckets"]:
+            mb = f"{b['numel'] * 4 / 2**20:.1f}" if "numel" in b else ""
+            table.add_row(str(b["index"]), mb, b.get("path", "stock"),
+                          *(f"{b['breakdown'].get(p, 0.0) * 1e3:.1f}" for p in order))
+        table.add_row("per step", "", f"{bd['buckets_per_step']:.0f} buckets",
+                      *(f"{per_step[p] * 1e3:.1f}" for p in order), style="bold")
+        out.print(table)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from autotune.policies import load_policy
     from autotune.workloads import resolve_workload
@@ -116,6 +155,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise AutotuneError("nothing to measure: give --policy or at least one baseline")
     result = run_bench(args, policy)
     print_bench(result)
+    if args.breakdown:
+        print_breakdown(result)
     if args.json is not None:
         from autotune.jsonio import write_atomic
 

@@ -51,7 +51,7 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from autotune.cli.bench import BASELINES, print_bench, run_bench
+    from autotune.cli.bench import DEFAULT_BASELINES, print_bench, run_bench
     from autotune.cli.profile import take_profile
     from autotune.cli.simulate import baseline_policies
     from autotune.emulate import available
@@ -93,13 +93,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"predicted {result.policy.meta['predicted_step_s'] * 1e3:.0f} ms per step")
 
     out.rule("3. measure, interleaved")
-    args.baselines = list(BASELINES)
+    args.baselines = list(DEFAULT_BASELINES)
     args.block, args.warmup = 3, 3
     bench = run_bench(args, result.policy)
     print_bench(bench)
     write_atomic(args.out_dir / "bench.json", json.dumps(bench, indent=1) + "\n", AutotuneError, "results")
     medians = {r["name"]: r["step_s_median"] for r in bench["results"]}
-    best_base = min(medians[n] for n in BASELINES)
+    best_base = min(medians[n] for n in DEFAULT_BASELINES)
     out.print(f"tuned policy: {medians['ddp'] / medians['policy']:.2f}x plain DDP, "
               f"{best_base / medians['policy']:.2f}x the best baseline, "
               f"{medians['policy'] / medians['floor']:.2f}x the compute-only floor "

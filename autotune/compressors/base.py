@@ -25,6 +25,7 @@ from autotune.compressors.memory import ErrorFeedback
 from autotune.errors import CompressorError
 
 __all__ = [
+    "AllreduceCompressor",
     "Collective",
     "Param",
     "Compressor",
@@ -205,6 +206,39 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec.label()})"
+
+
+class AllreduceCompressor(Compressor):
+    """A stateless method whose reduction is one allreduce of an elementwise encoding of
+    the gradients (``none``, ``fp16``, ``bf16``).
+
+    A non-finite value or a joined rank's zeros pass through such a reduction exactly as
+    through DDP's own allreduce, and there is no state they could poison, so the runtime
+    runs these methods the way PyTorch's stock hooks do: :meth:`encode` in the hook,
+    the allreduce issued asynchronously on DDP's group, :meth:`decode` when it
+    completes, with no guard and no hand-off to the communication thread.
+    Subclasses implement :meth:`encode` and :meth:`decode`.
+    """
+
+    collectives: ClassVar[tuple[Collective, ...]] = ("allreduce",)
+
+    @abstractmethod
+    def encode(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The payload whose sum over ranks :meth:`decode` turns into the average of
+        ``flat`` (a flat gradient, which may be overwritten); may be ``flat`` itself."""
+
+    @abstractmethod
+    def decode(self, summed: torch.Tensor, flat: torch.Tensor) -> None:
+        """Write the average into ``flat`` from the summed payload."""
+
+    def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
+        with comm.phase("flatten"):
+            flat = flatten(tensors)
+        payload = self.encode(flat, comm.world_size)
+        comm.all_reduce(payload)
+        self.decode(payload, flat)
+        with comm.phase("copy_back"):
+            unflatten_into(flat, tensors)
 
 
 class Registry:

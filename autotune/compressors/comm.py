@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,24 +38,46 @@ class Comm(ABC):
         # wall seconds spent in collectives, by kind (host time: exact for blocking
         # backends such as gloo; NCCL returns before the GPU finishes)
         self.seconds: Counter[str] = Counter()
+        # When a list, every collective and every :meth:`phase` appends
+        # ``(name, start, end, nbytes)`` (perf_counter seconds) to it: the runtime sets
+        # one per bucket to break the bucket's time down; None (the default) logs nothing.
+        self.log: list[tuple[str, float, float, int]] | None = None
 
-    def _count(self, kind: str, tensor: torch.Tensor, seconds: float) -> None:
-        self.sent[kind] += tensor.numel() * tensor.element_size()
+    def _count(self, kind: str, tensor: torch.Tensor, start: float) -> None:
+        end = time.perf_counter()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.sent[kind] += nbytes
         self.calls[kind] += 1
-        self.seconds[kind] += seconds
+        self.seconds[kind] += end - start
+        if self.log is not None:
+            self.log.append((kind, start, end, nbytes))
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Log the enclosed work as ``name`` (e.g. ``"flatten"``, ``"copy_back"``) when
+        :attr:`log` is set; compressors mark their copies in and out with it, so that
+        the runtime's breakdown tells copies from encoding."""
+        if self.log is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.log.append((name, start, time.perf_counter(), 0))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks, in place; returns it."""
         start = time.perf_counter()
         out = self._all_reduce(tensor)
-        self._count("allreduce", tensor, time.perf_counter() - start)
+        self._count("allreduce", tensor, start)
         return out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor``, stacked: shape ``(world_size, *tensor.shape)``."""
         start = time.perf_counter()
         out = self._all_gather(tensor.contiguous())
-        self._count("allgather", tensor, time.perf_counter() - start)
+        self._count("allgather", tensor, start)
         return out
 
     @abstractmethod

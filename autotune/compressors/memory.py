@@ -3,6 +3,11 @@
 ``compensate`` returns gradient + residual; after encoding, ``update`` stores
 compensated - decoded(local). Memory is per parameter name, so it survives DDP's bucket
 rebuild and a policy that moves a parameter between buckets.
+
+On the training path, large tensors are better served by ``compensate_into``, which
+works in the residual's own buffer: a fresh buffer of tens of MB costs more than the arithmetic
+on it (the allocator returns it to the OS and every page faults again on the next step),
+so the residual is kept in one buffer per parameter, rewritten in place each step.
 """
 
 from __future__ import annotations
@@ -32,6 +37,27 @@ class ErrorFeedback:
             if residual is not None and residual.numel() == out.numel():
                 out += residual.to(out.device).view_as(out)
         return out
+
+    def compensate_into(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad`` + this name's residual, written into the name's residual buffer (fp32,
+        contiguous, shaped as ``grad``, reused from step to step) and returned; the
+        caller then overwrites that buffer with the new residual. None when error
+        feedback is off. The buffer being the name's own, the arithmetic on it does not
+        depend on where ``grad`` lies in a bucket (BLAS kernels may round differently for
+        differently aligned operands), so results stay bitwise reproducible when DDP
+        lays its buckets out differently, e.g. right after a restart."""
+        if not self.enabled:
+            return None
+        residual = self.residuals.get(name)
+        if residual is not None and residual.numel() == grad.numel() \
+                and residual.dtype == torch.float32 and residual.is_contiguous():
+            residual = residual.to(grad.device).view(grad.shape)
+            residual.add_(grad)
+        else:
+            residual = grad.detach().to(torch.float32, memory_format=torch.contiguous_format,
+                                        copy=True)
+        self.residuals[name] = residual
+        return residual
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Remember what this rank's compression dropped."""

@@ -92,36 +92,66 @@ class PowerSGD(Compressor):
                 plain.append(t)
                 continue
             rows, cols, rank = mat
-            m = self.memory.compensate(name, t).view(rows, cols)
+            mats.append((t, name, self._compensated(t, name, rows, cols), torch.empty(0)))
+        if plain:
+            with comm.phase("flatten"):
+                flat = torch.cat([t.reshape(-1).float() for t in plain])
+            flat.div_(world)
+        for i, (t, name, m, _) in enumerate(mats):
+            cols, rank = m.shape[1], min(self.config["rank"], *m.shape)
             q = self.q.get(name) if self.config["warm_start"] else None
             # A step whose M was zero on every rank (a parameter DDP found unused, with
             # no residual yet) leaves Q = M^T P = 0, and from a zero Q every later P and
             # Q would be zero too: start again from the seeded Q instead.
             if q is None or q.shape != (cols, rank) or not bool(q.any()):
                 q = self._initial_q(name, cols, rank, m)
-            mats.append((t, name, m, q))
+            mats[i] = (t, name, m, q)
 
         if plain:
-            flat = torch.cat([t.reshape(-1).float() for t in plain]).div_(world)
             comm.all_reduce(flat)
-            _scatter(flat, plain)
+            with comm.phase("copy_back"):
+                _scatter(flat, plain)
         if not mats:
             return
 
-        ps = [m @ q for _, _, m, q in mats]
+        # P = M Q and Q = M^T P, each computed as the transpose of the product the other
+        # way round (Q^T M^T, P^T M): for these tall-and-thin shapes BLAS is 2-13x faster
+        # in that layout (200000 x 64 at rank 4: 12 ms instead of 19, 6 instead of 83).
+        ps = [(q.t() @ m.t()).t() for _, _, m, q in mats]
         p_flat = comm.all_reduce(torch.cat([p.reshape(-1) for p in ps]))
-        ps = _split(p_flat, [p.shape for p in ps])
+        # each P and Q its own tensor, not a view at a group-dependent offset: the same
+        # arithmetic whatever else shares the bucket (see ErrorFeedback.compensate_into)
+        ps = [p.clone() for p in _split(p_flat, [p.shape for p in ps])]
         for p in ps:
             _orthogonalize_(p)
-        qs = [m.t() @ p for (_, _, m, _), p in zip(mats, ps)]
-        for (_, name, m, _), p, q in zip(mats, ps, qs):
-            self.memory.update(name, m, p @ q.t())  # what this rank's projection dropped
+        qs = [(p.t() @ m).t() for (_, _, m, _), p in zip(mats, ps)]
+        if self.config["error_feedback"]:
+            for (_, _, m, _), p, q in zip(mats, ps, qs):
+                # M lies in the residual buffer: what this rank's projection dropped,
+                # M - P Q^T, becomes the residual in place
+                m.addmm_(p, q.t(), alpha=-1)
         q_flat = comm.all_reduce(torch.cat([q.reshape(-1) for q in qs])).div_(world)
-        qs = _split(q_flat, [q.shape for q in qs])
-        for (t, name, _, _), p, q in zip(mats, ps, qs):
-            t.copy_((p @ q.t()).view_as(t))
+        qs = [q.clone() for q in _split(q_flat, [q.shape for q in qs])]
+        for (t, name, m, _), p, q in zip(mats, ps, qs):
+            if t.dtype == torch.float32 and t.is_contiguous():
+                torch.matmul(p, q.t(), out=t.view(p.shape[0], q.shape[0]))
+            else:
+                with comm.phase("copy_back"):
+                    t.copy_((p @ q.t()).view_as(t))
             if self.config["warm_start"]:
-                self.q[name] = q.clone()
+                self.q[name] = q
+
+    def _compensated(self, t: torch.Tensor, name: str, rows: int, cols: int) -> torch.Tensor:
+        """M = gradient + residual as a (rows, cols) fp32 matrix, in the residual's own
+        buffer (no allocation after the first step); without error feedback the
+        gradient itself when it is a contiguous fp32 view (the reduction overwrites it
+        anyway), else a copy."""
+        m = self.memory.compensate_into(name, t.reshape(rows, cols))
+        if m is not None:
+            return m
+        if t.dtype == torch.float32 and t.is_contiguous():
+            return t.view(rows, cols)
+        return t.to(torch.float32).reshape(rows, cols)
 
     def release(self, name: str) -> torch.Tensor | None:
         self.q.pop(name, None)

@@ -4,18 +4,26 @@ DDP allows one hook per model, so a single dispatcher applies the whole policy: 
 bucket it groups the parameters by compressor (policy keys are parameter names, which
 survive DDP's bucket rebuild) and reduces each group with one collective per stage.
 
-* Buckets whose parameters all use ``none`` go straight to an async allreduce on DDP's
-  own process group, exactly as DDP's default hook does: the policy that does nothing
-  costs nothing.
+* Buckets whose parameters all use one stateless single-allreduce method (``none``,
+  ``fp16``, ``bf16``: :class:`~autotune.compressors.base.AllreduceCompressor`) are
+  encoded in the hook and go straight to an async allreduce on DDP's own process group,
+  decoded when it completes, exactly as DDP's default hook and PyTorch's
+  ``fp16_compress_hook`` do: the policy that does nothing costs nothing, and fp16 costs
+  what the stock hook costs.
 * Other buckets are handed to the rank's :class:`~autotune.runtime.channel.Channel`,
   which runs them in bucket order on a process group of its own (see channel.py for why).
+* Every bucket's time is broken down (:attr:`BucketRecord.breakdown`, see
+  :data:`PHASES`): per step and bucket in :meth:`AutotuneState.last_step_records`,
+  summed over a step in :meth:`AutotuneState.step_breakdown`, and since construction in
+  :attr:`AutotuneState.breakdown_totals`.
 * Nothing is compressed before step ``compress_from_step`` (default 2): DDP rebuilds its
   buckets after the first iteration, and PowerSGD's state must start after that.
 * The **guard**: before compressing a bucket, the ranks agree, in one 8-byte allreduce
   (issued by the hook on a third group and awaited by the thread, so it overlaps the
   compression of earlier buckets), whether any of them holds a non-finite value in it
   or has joined (``DDP.join()`` with uneven inputs, where a joined rank shadows the
-  others' buckets with zeros). If so, every rank averages that bucket by plain allreduce instead: a NaN or Inf reaches
+  others' buckets with zeros). Direct buckets need no guard: a NaN or a joined rank's
+  zeros pass through their allreduce as through DDP's, and they keep no state. If so, every rank averages that bucket by plain allreduce instead: a NaN or Inf reaches
   every rank exactly as under DDP (so a ``GradScaler`` or the user's own check sees it
   and skips the step everywhere), a joined rank contributes exactly zero, and no
   compressor state (error feedback, PowerSGD's Q, int8's counters) is touched.
@@ -35,13 +43,32 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from autotune.compressors import Compressor, CompressorSpec, GroupComm
+from autotune.compressors import Compressor, CompressorSpec, GroupComm, create
+from autotune.compressors.base import AllreduceCompressor
 from autotune.errors import AutotuneError
 
 if TYPE_CHECKING:
     from autotune.policies import Policy
 
-__all__ = ["AutotuneState", "BucketRecord", "dispatch_hook", "STATE_VERSION"]
+__all__ = ["AutotuneState", "BucketRecord", "PHASES", "dispatch_hook", "STATE_VERSION"]
+
+# Where a bucket's time goes, in the order it is spent (seconds; keys of
+# BucketRecord.breakdown, only those a bucket spent time in):
+PHASES = (
+    "wait",  # the communication path idle before the bucket was handed over: backward
+    # compute since forward ended (first bucket of a step) or since the previous
+    # bucket finished, whichever is later
+    "guard",  # the hook's finiteness check and issuing the guard's allreduce
+    "queue",  # handed over, waiting behind earlier buckets for the communication thread
+    "guard_wait",  # the thread waiting for the guard's agreement
+    "flatten",  # copies into the compressor's working layout (views cost nothing)
+    "encode",  # compressor work before and between its collectives
+    "allreduce",  # in allreduce collectives (direct buckets: issue to completion,
+    # including waiting behind earlier buckets on DDP's group)
+    "allgather",  # in all_gather collectives
+    "decode",  # compressor work after its last collective
+    "copy_back",  # copies of the result into the gradient bucket
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +94,11 @@ class BucketRecord:
     # why a bucket the policy compresses went by plain allreduce: "nonfinite" (a rank
     # had a NaN/Inf in it), "joined" (a rank had joined), or "" (it was compressed)
     fallback: str = ""
+    # seconds by phase (see PHASES); they add up to `wait` + `seconds`, up to the
+    # interpreter's own time between phases
+    breakdown: dict[str, float] = field(default_factory=dict)
+    # each collective the bucket issued, in order: (kind, bytes, seconds)
+    collectives: list[tuple[str, int, float]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +116,9 @@ class _Group:
 @dataclass(frozen=True)
 class _Plan:
     groups: tuple[_Group, ...]
-    direct: bool  # every parameter uses `none`: plain async allreduce
+    # one group whose compressor is an AllreduceCompressor: encoded in the hook, async
+    # allreduce on DDP's group, decoded on completion (no guard, no thread)
+    direct: AllreduceCompressor | None
 
 
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
@@ -152,6 +186,7 @@ class AutotuneState:
         from autotune.runtime.channel import Channel
 
         self._channel = Channel(name=f"autotune-comm-{self.rank}")
+        self._exact = create("none")  # before compress_from_step, and the guard's fallback
 
         # statistics
         self._lock = threading.Lock()
@@ -162,6 +197,11 @@ class AutotuneState:
         self._nonfinite_step = -1  # the last such step (one warning per step)
         # called with every finished BucketRecord (from the thread that finished it)
         self.listeners: list[Callable[[BucketRecord], None]] = []
+        self.breakdown_totals: Counter[str] = Counter()  # seconds by phase, all buckets so far
+        self.breakdown_buckets = 0  # buckets those totals cover
+        # (step, when) the communication path last became free: the end of the forward
+        # pass or the latest finished bucket of that step (for BucketRecord "wait")
+        self._free: tuple[int, float] = (-1, 0.0)
 
     @staticmethod
     def _make_side_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -196,8 +236,6 @@ class AutotuneState:
         canonical = spec.canonical()
         comp = self.compressors.get(canonical)
         if comp is None:
-            from autotune.compressors import create
-
             comp = create(canonical.name, **canonical.kwargs)
             self.compressors[canonical] = comp
         return comp
@@ -226,8 +264,8 @@ class AutotuneState:
             )
             for spec, members in by_spec.items()
         )
-        direct = all(g.compressor.name == "none" for g in groups)
-        plan = _Plan(groups=groups, direct=direct)
+        only = groups[0].compressor if len(groups) == 1 else None
+        plan = _Plan(groups=groups, direct=only if isinstance(only, AllreduceCompressor) else None)
         self._plans[key] = plan
         return plan
 
@@ -241,52 +279,81 @@ class AutotuneState:
         # A joined rank's buffer is DDP's zeros, shadowing the others: it contributes
         # exactly zero, so what a policy switch still owes waits for a real gradient.
         joined = self.joined
-        paid = self._pay_carry(self._plan(bucket), buffer) if self._carry and not joined else {}
-        if step < self.compress_from_step:
-            return self._allreduce(buffer, bucket.index(), step, start, None)
         plan = self._plan(bucket)
-        if plan.direct:
-            return self._allreduce(buffer, bucket.index(), step, start, plan.groups[0].label)
+        paid = self._pay_carry(plan, buffer) if self._carry and not joined else {}
+        free_step, free_at = self._free
+        wait = max(0.0, start - free_at) if free_step == step else 0.0
+        if step < self.compress_from_step:
+            return self._direct(self._exact, buffer, bucket.index(), step, start, wait, "none")
+        if plan.direct is not None:
+            return self._direct(plan.direct, buffer, bucket.index(), step, start, wait,
+                                plan.groups[0].label)
         record = BucketRecord(step, bucket.index(), buffer.numel(), True, start=start)
+        record.breakdown["wait"] = wait
         agreement = None
         if self._guard_group is not None:
-            began = time.perf_counter()
             agreement = self._start_agreement(buffer, joined)
-            record.guard_s = time.perf_counter() - began
+            record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
+        handed = time.perf_counter()
 
         def job() -> torch.Tensor:
             comm = self._get_comm()
             began = time.perf_counter()
-            if agreement is not None and self._agree_fallback(*agreement, record):
-                if record.fallback == "nonfinite":  # the step will be skipped: still owed
-                    self._carry.update(paid)
-                nbytes = buffer.numel() * buffer.element_size()
-                seconds_before = sum(comm.seconds.values())
-                buffer.div_(self.world_size)
-                comm.all_reduce(buffer)
-                record.bytes_by_collective["allreduce"] = nbytes
-                record.bytes_by_compressor["none"] = nbytes
-                record.comm_s = sum(comm.seconds.values()) - seconds_before
-                record.job_s = time.perf_counter() - began
-                self._finish(record)
-                return buffer
-            seconds_before = sum(comm.seconds.values())
-            for group in plan.groups:
-                before = Counter(comm.sent)
-                tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
-                group.compressor.reduce(tensors, group.names, comm)
-                sent = comm.sent - before
-                for kind, nbytes in sent.items():
-                    record.bytes_by_collective[kind] = record.bytes_by_collective.get(kind, 0) + nbytes
-                record.bytes_by_compressor[group.label] = (
-                    record.bytes_by_compressor.get(group.label, 0) + sum(sent.values())
-                )
-            record.comm_s = sum(comm.seconds.values()) - seconds_before
-            record.job_s = time.perf_counter() - began
+            record.breakdown["queue"] = began - handed
+            fallback = agreement is not None and self._agree_fallback(*agreement, record)
+            worked = time.perf_counter()
+            comm.log = log = []
+            try:
+                if fallback:
+                    if record.fallback == "nonfinite":  # the step will be skipped: still owed
+                        self._carry.update(paid)
+                    self._exact.reduce([buffer], ("bucket",), comm)
+                    record.bytes_by_compressor["none"] = buffer.numel() * buffer.element_size()
+                else:
+                    for group in plan.groups:
+                        before = len(log)
+                        tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
+                        group.compressor.reduce(tensors, group.names, comm)
+                        sent = sum(e[3] for e in log[before:])
+                        record.bytes_by_compressor[group.label] = (
+                            record.bytes_by_compressor.get(group.label, 0) + sent
+                        )
+            finally:
+                comm.log = None
+            end = time.perf_counter()
+            _account(record, log, worked, end)
+            record.job_s = end - began
             self._finish(record)
             return buffer
 
         return self._channel.submit(job, buffer.device)
+
+    def _direct(
+        self, comp: AllreduceCompressor, buffer: torch.Tensor, index: int, step: int,
+        start: float, wait: float, label: str,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The stock hooks' path: encode here, async allreduce on DDP's group, decode in
+        its completion callback."""
+        record = BucketRecord(step, index, buffer.numel(), False, start=start)
+        record.breakdown["wait"] = wait
+        payload = comp.encode(buffer, self.world_size)
+        nbytes = payload.numel() * payload.element_size()
+        record.bytes_by_collective["allreduce"] = nbytes
+        record.bytes_by_compressor[label] = nbytes
+        issued = time.perf_counter()
+        record.breakdown["encode"] = issued - start
+        fut = dist.all_reduce(payload, group=self.process_group, async_op=True).get_future()  # type: ignore[union-attr]
+
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            began = time.perf_counter()
+            comp.decode(f.value()[0], buffer)
+            record.comm_s = record.breakdown["allreduce"] = began - issued
+            record.breakdown["decode"] = time.perf_counter() - began
+            record.collectives.append(("allreduce", nbytes, began - issued))
+            self._finish(record)
+            return buffer
+
+        return fut.then(done)
 
     def _start_agreement(
         self, buffer: torch.Tensor, joined: bool
@@ -312,7 +379,7 @@ class AutotuneState:
         here = bool(bad)
         work.wait()
         n_bad, n_joined = (int(v) for v in flags.tolist())
-        record.guard_wait_s = time.perf_counter() - began
+        record.guard_wait_s = record.breakdown["guard_wait"] = time.perf_counter() - began
         if n_bad:
             record.fallback = "nonfinite"
             self._report_nonfinite(record, n_bad, here)
@@ -353,28 +420,19 @@ class AutotuneState:
             self._comm = GroupComm(self._side_group)
         return self._comm
 
-    def _allreduce(
-        self, buffer: torch.Tensor, index: int, step: int, start: float, label: str | None
-    ) -> torch.futures.Future[torch.Tensor]:
-        nbytes = buffer.numel() * buffer.element_size()
-        record = BucketRecord(
-            step, index, buffer.numel(), False,
-            bytes_by_collective={"allreduce": nbytes},
-            bytes_by_compressor={label or "none": nbytes},
-            start=start,
-        )
-        buffer.div_(self.world_size)
-        fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()  # type: ignore[union-attr]
-
-        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
-            self._finish(record)
-            return f.value()[0]
-
-        return fut.then(done)
+    def forward_done(self) -> None:
+        """Mark the end of a training forward pass: the first bucket's ``wait`` (the
+        backward compute before it) is measured from here. Called by ``wrap``'s model."""
+        self._free = (self.step, time.perf_counter())
 
     def _finish(self, record: BucketRecord) -> None:
-        record.seconds = time.perf_counter() - record.start
+        end = time.perf_counter()
+        record.seconds = end - record.start
         with self._lock:
+            if record.step == self._free[0]:
+                self._free = (record.step, max(self._free[1], end))
+            self.breakdown_totals.update(record.breakdown)
+            self.breakdown_buckets += 1
             steps = self._records.setdefault(record.step, [])
             steps.append(record)
             for old in [s for s in self._records if s < record.step - 1]:
@@ -383,6 +441,13 @@ class AutotuneState:
                 self.bytes_by_compressor[label] += nbytes
         for listener in self.listeners:
             listener(record)
+
+    def step_breakdown(self) -> dict[str, float]:
+        """Seconds by phase (:data:`PHASES`) summed over the buckets of the latest step."""
+        out: Counter[str] = Counter()
+        for record in self.last_step_records():
+            out.update(record.breakdown)
+        return {k: out[k] for k in PHASES if k in out}
 
     def last_step_records(self) -> list[BucketRecord]:
         """The buckets of the latest step, by index. Complete when read between steps:
@@ -452,6 +517,32 @@ class AutotuneState:
     def close(self) -> None:
         """Stop the communication thread."""
         self._channel.close()
+
+
+_COLLECTIVES = ("allreduce", "allgather")
+
+
+def _account(record: BucketRecord, log: list[tuple[str, float, float, int]], began: float,
+             end: float) -> None:
+    """Fill a channel bucket's breakdown from its communicator log: logged collectives
+    and phases as they are; the rest of the job's time is encoding up to the end of the
+    last collective and decoding after it."""
+    bd = record.breakdown
+    last = max((e for kind, _, e, _ in log if kind in _COLLECTIVES), default=end)
+    marked_before = marked_after = 0.0
+    for kind, s, e, nbytes in log:
+        bd[kind] = bd.get(kind, 0.0) + (e - s)
+        if kind in _COLLECTIVES:
+            record.collectives.append((kind, nbytes, e - s))
+            record.bytes_by_collective[kind] = record.bytes_by_collective.get(kind, 0) + nbytes
+            record.comm_s += e - s
+        if e <= last:
+            marked_before += e - s
+        else:
+            marked_after += e - s
+    bd["encode"] = max(0.0, (last - began) - marked_before)
+    if end > last:
+        bd["decode"] = max(0.0, (end - last) - marked_after)
 
 
 def dispatch_hook(state, bucket):  # type: ignore[no-untyped-def]

@@ -101,7 +101,10 @@ class AutotuneDDP(DistributedDataParallel):
         # a backward pass. Evaluation passes (no grad, or eval mode) are not steps.
         if self.controller is not None and self.training and torch.is_grad_enabled():
             self.controller.boundary()
-        return super().forward(*inputs, **kwargs)
+        out = super().forward(*inputs, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            self.comm_state.forward_done()
+        return out
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """DDP's join hook, marking the rank as joined while it shadows the others, so

@@ -1,0 +1,166 @@
+"""Benchmark: is autotune's path for a method as fast as PyTorch's own hook for it?
+
+Same method, same buckets, same run. For each workload and link, one job trains, in
+interleaved blocks (A B A B ...): plain DDP and our policy ``none`` (25 MB buckets);
+PyTorch's ``fp16_compress_hook`` and ``bf16_compress_hook`` and our ``fp16``/``bf16``
+(25 MB buckets); PyTorch's ``powerSGD_hook`` at rank 1 and 4 and our ``powersgd`` at
+the same ranks (one bucket holding the whole model: on gloo the stock hook deadlocks or
+aborts with two or more). Each pair's ratio is ours/stock of the median step times (the
+slowest rank's); its spread is the 10th-90th percentile of the per-block ratios (the
+median of our block over the median of the stock block that ran beside it). Also
+records, per configuration, where rank 0's communication time goes (autotune's
+per-bucket breakdown; PyTorch's hooks: in the hook / after it).
+
+Links: ``unshaped`` (2 local ranks on loopback) and rates such as ``1gbit`` (2 emulated
+hosts, one rank each, tc-shaped NICs; needs root). Writes JSON (default
+bench/results/vs_stock.json) and prints a table.
+
+    python bench/vs_stock.py [--workloads cnn,transformer,dlrm] [--links unshaped,1gbit,100mbit]
+                             [--rounds 8] [--block 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
+from autotune.launch import launch, local_placement
+from autotune.runtime.hook import PHASES
+from autotune.workloads import resolve_workload
+
+CAP_MB = 25.0  # DDP's default bucket size, and the one fp16/bf16 run with
+# (ours, stock) pairs: name of the pair -> (our setup, the stock setup), minus the caps
+PAIRS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "none/ddp": ({"compressor": "none"}, {"kind": "ddp"}),
+    "fp16": ({"compressor": "fp16"}, {"kind": "hook", "hook": "fp16"}),
+    "bf16": ({"compressor": "bf16"}, {"kind": "hook", "hook": "bf16"}),
+    "powersgd1": ({"compressor": "powersgd", "rank": 1}, {"kind": "hook", "hook": "powersgd", "rank": 1}),
+    "powersgd4": ({"compressor": "powersgd", "rank": 4}, {"kind": "hook", "hook": "powersgd", "rank": 4}),
+}
+ONE_BUCKET = ("powersgd1", "powersgd4")
+
+
+def _setups(workload: str) -> list[dict[str, Any]]:
+    model = resolve_workload(workload).model
+    whole_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1.0
+    setups = []
+    for pair, (spec, stock) in PAIRS.items():
+        cap = whole_mb if pair in ONE_BUCKET else CAP_MB
+        policy = {"version": 1, "bucket_cap_mb": cap, "default": spec}
+        setups.append({"name": f"ours:{pair}", "kind": "policy", "policy": policy})
+        setups.append({"name": f"stock:{pair}", **stock, "bucket_cap_mb": cap})
+    return setups
+
+
+@contextlib.contextmanager
+def _placement(link: str) -> Iterator[Any]:
+    if link == "unshaped":
+        yield local_placement(2)
+        return
+    from autotune.emulate import EmulatedCluster, parse_link
+
+    with EmulatedCluster(2, parse_link(link)) as cluster:
+        yield cluster
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _pair_stats(ours: dict[str, Any], stock: dict[str, Any], block: int) -> dict[str, Any]:
+    a, b = ours["step_s"], stock["step_s"]
+    blocks = [statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
+              for i in range(0, min(len(a), len(b)), block)]
+    return {
+        "ours_s": statistics.median(a), "stock_s": statistics.median(b),
+        "ratio": statistics.median(a) / statistics.median(b),
+        "block_ratios": blocks,
+        "spread": [_percentile(blocks, 0.1), _percentile(blocks, 0.9)],
+        "ours_iqr_s": [_percentile(a, 0.25), _percentile(a, 0.75)],
+        "stock_iqr_s": [_percentile(b, 0.25), _percentile(b, 0.75)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="cnn,transformer,dlrm")
+    parser.add_argument("--links", default="unshaped,1gbit,100mbit")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved blocks per configuration")
+    parser.add_argument("--block", type=int, default=2, help="consecutive steps per block")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/vs_stock.json"))
+    args = parser.parse_args(argv)
+    console = Console(width=200)
+    started = time.time()
+    cells: list[dict[str, Any]] = []
+
+    def save() -> None:
+        out = {"benchmark": "vs_stock", "args": vars(args) | {"out": str(args.out)},
+               "cells": cells, "wall_s": time.time() - started}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
+
+    for link in args.links.split(","):
+        with _placement(link) as where:
+            for workload in args.workloads.split(","):
+                t0 = time.perf_counter()
+                measured = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
+                                  kwargs={"workload": workload, "setups": _setups(workload),
+                                          "rounds": args.rounds, "block": args.block,
+                                          "warmup": args.warmup})[0]
+                by_name = {r["name"]: r for r in measured["results"]}
+                pairs = {pair: _pair_stats(by_name[f"ours:{pair}"], by_name[f"stock:{pair}"], args.block)
+                         for pair in PAIRS}
+                cells.append({"link": link, "workload": workload, "pairs": pairs,
+                              "wall_s": time.perf_counter() - t0, "results": measured["results"]})
+                console.print(f"{link} {workload}: " + ", ".join(
+                    f"{p} {s['ratio']:.3f}" for p, s in pairs.items()) + f" ({cells[-1]['wall_s']:.0f} s)")
+                save()
+    save()
+
+    table = Table(title="ours / stock, same method, same buckets, interleaved (median step ms; "
+                        "ratio [10th-90th percentile of per-block ratios])")
+    table.add_column("link")
+    table.add_column("workload")
+    for pair in PAIRS:
+        table.add_column(pair, justify="right")
+    for c in cells:
+        table.add_row(c["link"], c["workload"], *(
+            f"{s['ours_s'] * 1e3:.0f}/{s['stock_s'] * 1e3:.0f} {s['ratio']:.3f} "
+            f"[{s['spread'][0]:.2f}-{s['spread'][1]:.2f}]" for s in c["pairs"].values()))
+    console.print(table)
+
+    phases = [p for p in PHASES if any(p in r.get("breakdown", {}).get("per_step_s", {})
+                                       for c in cells for r in c["results"])]
+    bd = Table(title="where rank 0's communication time goes, ms per step (ours: autotune's "
+                     "breakdown; stock: in the hook / after it)")
+    for col in ("link", "workload", "configuration", "step", *phases, "in_hook", "after_hook"):
+        bd.add_column(col, justify="left" if col in ("link", "workload", "configuration") else "right")
+    for c in cells:
+        for r in c["results"]:
+            per = r.get("breakdown", {}).get("per_step_s", {})
+            bd.add_row(c["link"], c["workload"], r["name"], f"{r['step_s_median'] * 1e3:.0f}",
+                       *(f"{per[p] * 1e3:.1f}" if p in per else "" for p in (*phases, "in_hook", "after_hook")))
+    console.print(bd)
+    console.print("targets: ours/stock <= 1.00 in every cell; none/ddp <= 1.01")
+    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
