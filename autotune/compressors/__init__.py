@@ -15,6 +15,7 @@ from autotune.compressors import powersgd  # noqa: F401  isort: skip
 from autotune.compressors import topk  # noqa: F401  isort: skip
 from autotune.compressors import int8  # noqa: F401  isort: skip
 from autotune.compressors import sign  # noqa: F401  isort: skip
+from autotune.compressors import rowsparse  # noqa: F401  isort: skip
 from autotune.compressors.base import (
     REGISTRY,
     Compressor,

@@ -45,15 +45,18 @@ Shape = Sequence[int]
 class Param:
     """One tunable parameter of a compressor, with its range and default."""
 
-    kind: type  # int, float or bool
+    kind: type  # int, float, bool or str
     default: Any
     low: float | None = None  # smallest allowed value (None: unbounded)
     high: float | None = None  # largest allowed value (None: unbounded)
     low_open: bool = False  # True: ``low`` itself is not allowed
     doc: str = ""
+    choices: tuple[str, ...] = ()  # the allowed values of a str parameter
 
     def expected(self) -> str:
         """Describe the allowed values, e.g. ``a float in the range (0, 1]``."""
+        if self.kind is str:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
         kind = {int: "an int", float: "a float", bool: "a bool"}[self.kind]
         if self.kind is bool:
             return kind
@@ -66,6 +69,13 @@ class Param:
 
     def check(self, compressor: str, name: str, value: Any) -> Any:
         """Return ``value`` converted to this parameter's type, or raise."""
+        if self.kind is str:
+            if not (isinstance(value, str) and value in self.choices):
+                raise CompressorError(
+                    f"The {name!r} parameter of {compressor} must be {self.expected()}. "
+                    f"Got {reprlib.repr(value)} instead."
+                )
+            return value
         ok_type = (
             isinstance(value, bool)
             if self.kind is bool
@@ -152,6 +162,9 @@ class Compressor(ABC):
     params: ClassVar[Mapping[str, Param]] = {}
     # False for exact methods (allreduce in the gradient's own dtype)
     lossy: ClassVar[bool] = True
+    # False for methods that keep no state and pass a NaN/Inf, and a joined rank's zeros,
+    # through exactly as DDP's allreduce would: the runtime's guard is not needed for them
+    guarded: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         self.config: dict[str, Any] = REGISTRY.validate(self.name, kwargs)
@@ -171,16 +184,20 @@ class Compressor(ABC):
         """
 
     @abstractmethod
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         """Bytes this rank hands to each collective for one tensor of ``shape``.
 
         Computable without running the compressor; what :meth:`reduce` sends for a group
-        is the sum over its tensors.
+        is the sum over its tensors. ``density`` is the fraction of the tensor's rows
+        (first dimension) that hold a non-zero value on the rank touching the most of
+        them; only data-dependent methods (``rowsparse``) read it, and None means dense.
         """
 
-    def wire_bytes(self, shape: Shape, world_size: int) -> int:
+    def wire_bytes(self, shape: Shape, world_size: int, density: float | None = None) -> int:
         """Total bytes this rank hands to collectives for one tensor of ``shape``."""
-        return sum(self.wire_messages(shape, world_size).values())
+        return sum(self.wire_messages(shape, world_size, density).values())
 
     def release(self, name: str) -> torch.Tensor | None:
         """Forget parameter ``name`` (it moves to another compressor) and return what
@@ -221,6 +238,7 @@ class AllreduceCompressor(Compressor):
     """
 
     collectives: ClassVar[tuple[Collective, ...]] = ("allreduce",)
+    guarded: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:

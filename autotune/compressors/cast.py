@@ -30,7 +30,9 @@ class HalfPrecision(AllreduceCompressor):
     def decode(self, summed: torch.Tensor, flat: torch.Tensor) -> None:
         flat.copy_(summed)
 
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         return {"allreduce": numel(shape) * 2}
 
 

@@ -48,7 +48,9 @@ class Int8(Compressor):
     def _blocks(self, n: int) -> int:
         return math.ceil(n / self.config["block"])
 
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         n = numel(shape)
         return {"allgather": n + 4 * self._blocks(n)}
 

@@ -23,5 +23,7 @@ class NoCompression(AllreduceCompressor):
         if summed.data_ptr() != flat.data_ptr():
             flat.copy_(summed)
 
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         return {"allreduce": numel(shape) * 4}

@@ -70,7 +70,9 @@ class PowerSGD(Compressor):
             return None
         return rows, cols, rank
 
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         mat = self._matrix(shape)
         if mat is None:
             return {"allreduce": numel(shape) * 4}

@@ -50,7 +50,9 @@ class Sign(Compressor):
         super().__init__(**kwargs)
         self.memory = ErrorFeedback(self.config["error_feedback"])
 
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         return {"allgather": (numel(shape) + 7) // 8 + 4}
 
     def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:

@@ -42,7 +42,9 @@ class TopK(Compressor):
         # the small epsilon keeps e.g. 0.1 * 30 from rounding up to 4
         return max(1, min(n, math.ceil(self.config["ratio"] * n - 1e-9)))
 
-    def wire_messages(self, shape: Shape, world_size: int) -> dict[Collective, int]:
+    def wire_messages(
+        self, shape: Shape, world_size: int, density: float | None = None
+    ) -> dict[Collective, int]:
         return {"allgather": 8 * self.k(numel(shape))}
 
     def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:

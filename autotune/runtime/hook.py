@@ -291,7 +291,7 @@ class AutotuneState:
         record = BucketRecord(step, bucket.index(), buffer.numel(), True, start=start)
         record.breakdown["wait"] = wait
         agreement = None
-        if self._guard_group is not None:
+        if self._guard_group is not None and any(g.compressor.guarded for g in plan.groups):
             agreement = self._start_agreement(buffer, joined)
             record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
         handed = time.perf_counter()

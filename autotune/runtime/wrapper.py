@@ -61,6 +61,7 @@ class AutotuneDDP(DistributedDataParallel):
                 f"(bucket_cap_mb={policy.bucket_cap_mb:g}); change it there, not in wrap()"
             )
         policy.check(module).raise_if_unknown()
+        _refuse_sparse_gradients(module)
         if online:
             # A bad or foreign profile, or an unknown knob, fails here, before DDP is built.
             from autotune.online import OnlineConfig
@@ -126,6 +127,20 @@ class AutotuneDDP(DistributedDataParallel):
     def policy(self) -> Policy:
         """The policy being applied."""
         return self.comm_state.policy
+
+
+def _refuse_sparse_gradients(module: torch.nn.Module) -> None:
+    """DDP hands a comm hook an embedding's sparse gradient as a sparse tensor, which
+    no compressor reads (and PyTorch's own hooks do not either)."""
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            raise AutotuneError(
+                f"{name} comes from {type(sub).__name__}(sparse=True), whose sparse gradient "
+                "DDP hands a communication hook as a sparse tensor, which autotune does not "
+                "read; build it with sparse=False and give it the rowsparse compressor, "
+                "which sends only the rows a step touched"
+            )
 
 
 class _JoinHook(JoinHook):
