@@ -67,6 +67,15 @@ def _link_bps(profile: Profile) -> float | None:
     return float(fit["busbw_Bps"]) * 8 if fit and "busbw_Bps" in fit else None
 
 
+def row_densities(profile: Profile) -> dict[str, float]:
+    """Per parameter, the fraction of rows holding a non-zero gradient on the busiest
+    rank, from the codec probe's gradient-structure measurements (``codecs.structure``;
+    empty for profiles that have none)."""
+    structure = profile.codecs.get("structure") or {}
+    return {name: float(s["row_density_max"]) for name, s in structure.items()
+            if isinstance(s, Mapping) and s.get("row_density_max") is not None}
+
+
 def compute_times(profile: Profile) -> ComputeTimes:
     """Per-rank compute from a profile, with ready times scaled to un-instrumented steps
     (the per-layer hooks that time them slow backward down a little)."""
@@ -74,9 +83,11 @@ def compute_times(profile: Profile) -> ComputeTimes:
     backward = statistics.median(c["backward_s"])
     hooked = statistics.median(c.get("hooked_backward_s") or c["backward_s"])
     scale = backward / hooked if hooked > 0 else 1.0
+    densities = row_densities(profile)
     params = tuple(
         ParamTiming(p["name"], tuple(int(d) for d in p["shape"]),
-                    (p["ready_s"] if p["ready_s"] is not None else backward / scale) * scale)
+                    (p["ready_s"] if p["ready_s"] is not None else backward / scale) * scale,
+                    density=densities.get(p["name"]))
         for p in c["params"]
     )
     return ComputeTimes(
@@ -251,7 +262,8 @@ class CostModel:
                 "forward_s": c.forward_s, "backward_s": c.backward_s, "optimizer_s": c.optimizer_s,
                 "floor_s": c.floor_s, "contention": c.contention,
                 "params": [{"name": p.name, "shape": list(p.shape), "ready_s": p.ready_s,
-                            "element_size": p.element_size, "dtype": p.dtype} for p in c.params],
+                            "element_size": p.element_size, "dtype": p.dtype,
+                            "density": p.density} for p in c.params],
             },
             "comm": {k: v.to_json_dict() for k, v in self.comm.items()},
             "codec": {k: v.to_json_dict() for k, v in self.codec.items()},
@@ -277,7 +289,8 @@ class CostModel:
             c = data["compute"]
             compute = ComputeTimes(
                 params=tuple(ParamTiming(p["name"], tuple(p["shape"]), p["ready_s"],
-                                         p["element_size"], p["dtype"]) for p in c["params"]),
+                                         p["element_size"], p["dtype"], p.get("density"))
+                             for p in c["params"]),
                 forward_s=c["forward_s"], backward_s=c["backward_s"],
                 optimizer_s=c["optimizer_s"], floor_s=c["floor_s"], contention=c["contention"],
             )

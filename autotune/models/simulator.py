@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from autotune.compressors import REGISTRY, CompressorSpec
+from autotune.compressors.base import AllreduceCompressor
 from autotune.models.buckets import ParamInfo, ddp_buckets
 
 __all__ = [
@@ -58,6 +59,10 @@ class ParamTiming:
     ready_s: float  # gradient ready, seconds after backward starts
     element_size: int = 4
     dtype: str = "float32"
+    # fraction of rows (first dimension) holding a non-zero gradient on the busiest rank,
+    # as the codec probe measured it; None: not measured (taken as dense). Data-dependent
+    # methods (rowsparse) size their messages by it.
+    density: float | None = None
 
     @property
     def numel(self) -> int:
@@ -81,8 +86,8 @@ class ComputeTimes:
     def scaled(self, speed: float) -> ComputeTimes:
         """The same model on hardware ``speed`` times faster."""
         return ComputeTimes(
-            params=tuple(ParamTiming(p.name, p.shape, p.ready_s / speed, p.element_size, p.dtype)
-                         for p in self.params),
+            params=tuple(ParamTiming(p.name, p.shape, p.ready_s / speed, p.element_size, p.dtype,
+                                     p.density) for p in self.params),
             forward_s=self.forward_s / speed, backward_s=self.backward_s / speed,
             optimizer_s=self.optimizer_s / speed, floor_s=self.floor_s / speed,
             contention=self.contention,
@@ -159,12 +164,16 @@ class StepEstimate:
                 "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s}
 
 
-def group_messages(spec: CompressorSpec, shapes: Sequence[tuple[int, ...]], world: int) -> list[Message]:
+def group_messages(
+    spec: CompressorSpec, shapes: Sequence[tuple[int, ...]], world: int,
+    densities: Sequence[float | None] | None = None,
+) -> list[Message]:
     """The collectives one group issues, with their payload sizes.
 
     One collective per declared stage, carrying the group's tensors together, as the
     runtime sends them. PowerSGD's stages depend on which tensors it compresses: an
     allreduce of the tensors it sends whole (if any), then one of all Ps, one of all Qs.
+    ``densities`` (per shape, None: dense) size data-dependent methods' messages.
     """
     comp = _compressor(spec)
     if spec.name == "powersgd":
@@ -182,8 +191,8 @@ def group_messages(spec: CompressorSpec, shapes: Sequence[tuple[int, ...]], worl
             out += [Message("allreduce", p_bytes), Message("allreduce", q_bytes)]
         return out
     totals: dict[str, int] = {}
-    for shape in shapes:
-        for kind, nbytes in comp.wire_messages(shape, world).items():
+    for shape, density in zip(shapes, densities or [None] * len(shapes)):
+        for kind, nbytes in comp.wire_messages(shape, world, density).items():
             totals[kind] = totals.get(kind, 0) + nbytes
     return [Message(kind, totals[kind]) for kind in dict.fromkeys(comp.collectives) if kind in totals]
 
@@ -209,7 +218,8 @@ def plan_buckets(
             spec = layers.get(p.name, default).canonical()
             groups.setdefault(spec, []).append(p)
         plans = [
-            GroupPlan(spec, tuple(ps), tuple(group_messages(spec, [p.shape for p in ps], world)))
+            GroupPlan(spec, tuple(ps), tuple(group_messages(spec, [p.shape for p in ps], world,
+                                                             [p.density for p in ps])))
             for spec, ps in groups.items()
         ]
         out.append((members, plans))
@@ -281,7 +291,8 @@ def _channel(
         codec_total = comm_total = 0.0
         wire = calls = half = 0
         numel = sum(p.numel for p in members)
-        if all(g.spec.name == "none" for g in groups):  # DDP's own allreduce of the bucket
+        direct = len(groups) == 1 and isinstance(_compressor(groups[0].spec), AllreduceCompressor)
+        if direct and groups[0].spec.name == "none":  # DDP's own allreduce of the bucket
             nbytes = sum(p.numel * p.element_size for p in members)
             dt = comm_time("allreduce", nbytes, world)
             spans.append(("comm", f"allreduce {nbytes / 1e6:.2f} MB", t, t + dt))
@@ -306,7 +317,7 @@ def _channel(
                 spans.append(("codec", f"decode {label}", t, t + codec / 2))
                 t += codec / 2
                 codec_total += codec
-        threaded = not all(g.spec.name == "none" for g in groups)
+        threaded = not direct  # fp16/bf16 buckets go the stock hooks' way, not the thread
         events.append(BucketEvent(index, len(members), numel, ready, start, t, codec_total,
                                   comm_total, wire, calls, tuple(spans), threaded, half))
         free = t
