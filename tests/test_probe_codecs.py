@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -10,9 +10,18 @@ import torch
 from autotune import compressors
 from autotune.compressors import LocalComm
 from autotune.errors import CompressorError, ProfileError
-from autotune.probes.codecs import BASELINE_SPECS, DEFAULT_GRID, probe_codecs
+from autotune.probes.codecs import (
+    BASELINE_SPECS,
+    DEFAULT_GRID,
+    MIN_LIVE_ROWS,
+    SAMPLE_ABOVE,
+    SAMPLE_NUMEL,
+    probe_codecs,
+    row_plan,
+)
 from autotune.probes.compute import probe_compute
-from autotune.workloads import mlp
+from autotune.probes.run import BUDGET_SHARES, CAPTURE_STEPS
+from autotune.workloads import cnn, dlrm, mlp, transformer
 
 SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (64, 32), "fc.bias": (64,),
           "fc2.weight": (64, 32)}
@@ -142,3 +151,160 @@ def test_distributed_share_is_combined_on_every_rank(run_ranks: Any) -> None:
                                       {"compressor": "topk"}]
     assert a["errors"] == b["errors"] and a["shapes"] == b["shapes"]
     assert len(a["errors"]) == 3 * len(SHAPES)
+
+
+# --- large tensors: measured on their rows --------------------------------------------
+
+
+def _sparse_table(rows: int = 70_000, dim: int = 16, candidates: int = 3000,
+                  steps: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    """Gradients of an embedding table: ~1% of its rows live in some step, with
+    Zipf-like magnitudes, the hot rows live in every step (as skewed lookups give)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(rows, generator=gen)[:candidates]
+    rank = torch.arange(1, candidates + 1, dtype=torch.float32)  # hot rows first
+    out = []
+    for _ in range(steps):
+        g = torch.zeros(rows, dim)
+        keep = torch.rand(candidates, generator=gen) < 0.2 + rank.rsqrt()
+        g[ids[keep]] = torch.randn(int(keep.sum()), dim, generator=gen) / rank[keep, None]
+        out.append(g)
+    return out
+
+
+@pytest.fixture(scope="module")
+def table_grads() -> dict[str, list[torch.Tensor]]:
+    return {"emb.weight": _sparse_table(), "fc.weight": [torch.randn(64, 32) for _ in range(3)]}
+
+
+EXACT_ON_LIVE_ROWS = [
+    {"compressor": "none"}, {"compressor": "fp16"}, {"compressor": "bf16"},
+    {"compressor": "powersgd", "rank": 1}, {"compressor": "powersgd", "rank": 4},
+    {"compressor": "topk", "ratio": 0.01}, {"compressor": "topk", "ratio": 0.0005},
+]
+
+
+def test_a_sparse_table_is_planned_on_its_live_rows_and_a_proportional_sample() -> None:
+    steps = _sparse_table()
+    plan = row_plan("emb.weight", steps)
+    assert plan is not None and plan.rows == 70_000
+    live = (torch.stack(steps).abs().sum(dim=(0, 2)) > 0).nonzero().flatten()
+    assert torch.equal(plan.live, live)
+    assert plan.sample is not None and plan.sample.numel() >= SAMPLE_NUMEL // 16
+    # live rows are sampled at the rate of the others, so the sample is as sparse
+    share = plan.sampled_live / plan.sample.numel()
+    assert share == pytest.approx(len(live) / plan.rows, rel=0.05)
+    assert plan.sampled_live >= min(MIN_LIVE_ROWS, len(live))
+    assert plan.energy_ratio is not None and plan.energy_ratio > 0
+    assert torch.equal(plan.sample, plan.sample.sort().values)
+    # small tensors, and dense ones too small to gain from a sample, are measured whole
+    assert row_plan("b", [torch.randn(1000)]) is None
+    assert row_plan("m", [torch.randn(4, 300_000)]) is None
+
+
+def test_live_rows_give_the_exact_error_of_a_sparse_table(
+    table_grads: dict[str, list[torch.Tensor]],
+) -> None:
+    on_rows = probe_codecs(table_grads, world_size=2, grid=EXACT_ON_LIVE_ROWS, reps=1)
+    full = probe_codecs(table_grads, world_size=2, grid=EXACT_ON_LIVE_ROWS, reps=1,
+                        sample_above=None)
+    ref = {(r["label"], r["param"]): r for r in full["errors"]}
+    for row in on_rows["errors"]:
+        want = ref[row["label"], row["param"]]
+        if row["param"] == "fc.weight":
+            assert row["measured"] == "full" and "sample" not in row
+            continue
+        assert row["measured"] == "live_rows", row["label"]
+        assert row["sample"]["of_rows"] == 70_000 and row["sample"]["rows"] < 3000
+        # exact for exact methods; a top-k that selects by a sampled threshold may keep
+        # a few more or fewer of the smallest entries on the tensor than on its rows
+        tol = 1e-3 if row["spec"]["compressor"] == "topk" else 1e-5
+        for key in ("rel_error_steps", "cum_error_steps"):
+            assert row[key] == pytest.approx(want[key], abs=tol), (row["label"], key)
+    # the low-ratio top-k and rank-1 PowerSGD lose a real part of this gradient
+    assert max(r["cum_error"] for r in on_rows["errors"] if r["param"] == "emb.weight") > 0.1
+
+
+def test_sign_and_int8_are_measured_on_a_row_sample_with_the_full_error(
+    table_grads: dict[str, list[torch.Tensor]],
+) -> None:
+    grid = [{"compressor": "sign"}, {"compressor": "int8"}]
+    on_rows = probe_codecs(table_grads, world_size=2, grid=grid, reps=1)
+    full = probe_codecs(table_grads, world_size=2, grid=grid, reps=1, sample_above=None)
+    ref = {(r["label"], r["param"]): r for r in full["errors"]}
+    for row in on_rows["errors"]:
+        if row["param"] != "emb.weight":
+            continue
+        assert row["measured"] == "sample"
+        sample = row["sample"]
+        assert sample["numel"] == 16 * sample["rows"] and sample["of_live_rows"] > 0
+        assert sample["live_rows"] <= sample["of_live_rows"]
+        assert row["cum_error"] == pytest.approx(ref[row["label"], row["param"]]["cum_error"],
+                                                 abs=0.05)
+
+
+def test_powersgd_on_too_few_rows_of_a_dense_matrix_is_measured_in_full() -> None:
+    # 200 rows of 6000: a 64-row sample would make rank-4 PowerSGD's bytes per element
+    # (and its error) another matrix's; elementwise methods may use the sample
+    grads = {"w": [torch.randn(200, 6000) for _ in range(2)]}
+    grid = [{"compressor": "powersgd", "rank": 4}, {"compressor": "int8"}]
+    out = probe_codecs(grads, world_size=2, grid=grid, reps=1, budget_s=1e-9)
+    modes = {r["label"]: r["measured"] for r in out["errors"]}
+    assert modes == {"powersgd(rank=4)": "full", "int8": "sample"}
+    times = {r["label"]: r for r in out["shapes"]}
+    assert times["powersgd(rank=4)"]["measured"] == "full"
+
+
+def test_times_are_scaled_from_a_sample_then_measured_in_full_as_budget_allows(
+    table_grads: dict[str, list[torch.Tensor]],
+) -> None:
+    grid = [{"compressor": "none"}, {"compressor": "int8"}]
+    # no budget left after the cells: the large shape's times stay scaled, and say so
+    scaled = probe_codecs(table_grads, world_size=2, grid=grid, reps=1, budget_s=1e-9)
+    for row in scaled["shapes"]:
+        if row["shape"] == [70_000, 16]:
+            assert row["measured"] == "sample"
+            sample = row["sample"]
+            assert sample["param"] == "emb.weight" and sample["numel"] == 16 * sample["rows"]
+            assert row["encode_decode_s"] == pytest.approx(
+                sample["encode_decode_s"] * 1_120_000 / sample["numel"])
+        else:
+            assert row["measured"] == "full" and "sample" not in row
+    # without a budget every scaled time is measured in full afterwards
+    timed = probe_codecs(table_grads, world_size=2, grid=grid, reps=1)
+    assert all(r["measured"] == "full" for r in timed["shapes"])
+    assert [r["reps"] for r in timed["shapes"] if r["shape"] == [70_000, 16]] == [1, 1]
+    assert scaled["sampling"] == {"above": SAMPLE_ABOVE, "numel": SAMPLE_NUMEL,
+                                  "min_live_rows": MIN_LIVE_ROWS, "representative": 0.1}
+
+
+# what `autotune profile` gives the codec probe by default (--budget-s 50)
+PROFILE_CODEC_BUDGET_S = 50.0 * BUDGET_SHARES["codecs"]
+BUILT_INS = {"dlrm": dlrm, "cnn": lambda: cnn(batch_size=4), "transformer": transformer}
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # as `autotune profile` runs each of 2 ranks on a 2-core machine; two threads on a
+    # core another process also uses wait on each other, up to 10x slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_INS))
+def test_every_cell_is_measured_within_the_profiles_budget(name: str, one_thread: None) -> None:
+    # one process measures the whole grid here; `autotune profile` shares it among ranks
+    _, grads = probe_compute(BUILT_INS[name](), steps=CAPTURE_STEPS, warmup=1,
+                             capture=CAPTURE_STEPS)
+    out = probe_codecs(grads, world_size=2, budget_s=PROFILE_CODEC_BUDGET_S)
+    assert out["truncated"] is False and out["skipped"] == []
+    labels = {compressors.CompressorSpec.from_dict(d).label() for d in DEFAULT_GRID}
+    assert {(r["label"], r["param"]) for r in out["errors"]} == {
+        (label, name) for label in labels for name in grads}
+    assert all(r["rel_error"] is not None for r in out["errors"])
+    assert out["wall_s"] < PROFILE_CODEC_BUDGET_S
+    if name == "dlrm":  # its tables are measured on their rows
+        modes = {r["measured"] for r in out["errors"] if r["param"].startswith("tables.")}
+        assert modes >= {"live_rows", "sample"}

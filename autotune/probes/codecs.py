@@ -23,14 +23,42 @@ Two error figures per parameter, because error feedback moves error between step
 The errors are those of one rank's compression; with W ranks holding different
 gradients the averaged update's error is lower for unbiased methods (int8), whose
 noise averages out.
+
+Large tensors are measured on their rows, so that the probe covers every configuration
+and parameter within its budget (a table of 10^6 rows costs as much as a whole CNN).
+Above ``sample_above`` elements a parameter gets a :class:`RowPlan`, the same rows in
+every captured step:
+
+- its **live rows**, non-zero in some captured step. An embedding table's gradient is
+  mostly zero rows, and for compressors that leave zero rows alone (elementwise casts,
+  PowerSGD, top-k with the same ``k``; see :func:`_on_live_rows`) the live rows alone
+  give the tensor's error exactly (``measured: "live_rows"``);
+- a **row sample**, for the other compressors and for timing: rows taken at one rate
+  among the live and among the zero rows, so that it has the tensor's share of live
+  rows (what sign's scale and int8's blocks see), the live ones every ``1/f``-th by
+  gradient energy so that it spans hot and cold rows; it keeps the rows' order. It
+  stands for the tensor under a configuration only where the compressor's bytes per
+  element on it are within :data:`REPRESENTATIVE` of the tensor's (PowerSGD on too few
+  rows would approximate another matrix); elsewhere the cell is measured in full.
+  Its errors are the sample's (``measured: "sample"``, with ``energy_ratio``, the
+  sample's share of the gradient energy over its share of rows: below 1 when it
+  misses the heaviest rows).
+
+Encode+decode time on a row sample is scaled by ``numel / sample numel``: every method's
+work is linear in the elements (casts, int8, sign, top-k's selection and scatter), or in
+``rows * cols * rank`` for PowerSGD, where a row sample keeps ``cols`` and the rank.
+Each cell says how it was measured (``measured``, and ``sample`` with the rows used).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
+import zlib
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -40,9 +68,20 @@ from torch import Tensor
 from autotune import compressors
 from autotune.compressors import CompressorSpec, LocalComm
 from autotune.compressors.comm import all_gather_flat
+from autotune.compressors.topk import TopK
 from autotune.errors import ProfileError
 
-__all__ = ["BASELINE_SPECS", "DEFAULT_GRID", "probe_codecs"]
+__all__ = [
+    "BASELINE_SPECS",
+    "DEFAULT_GRID",
+    "MIN_LIVE_ROWS",
+    "REPRESENTATIVE",
+    "SAMPLE_ABOVE",
+    "SAMPLE_NUMEL",
+    "RowPlan",
+    "probe_codecs",
+    "row_plan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +112,167 @@ BASELINE_SPECS: Mapping[str, Mapping[str, Any]] = {
     "powersgd1": {"compressor": "powersgd", "rank": 1},
     "powersgd4": {"compressor": "powersgd", "rank": 4},
 }
+
+
+# Tensors with more elements than this are measured on their rows (4 MiB of fp32):
+# below it a measurement costs milliseconds.
+SAMPLE_ABOVE = 1 << 20
+# Elements a row sample aims at: 1 MiB of fp32, a few milliseconds for the slowest method.
+SAMPLE_NUMEL = 1 << 18
+# Live (non-zero) rows a row sample keeps at least, where the tensor has that many.
+MIN_LIVE_ROWS = 64
+# A row sample stands for its tensor under a compressor if the bytes per element it
+# would send differ by at most this fraction. This catches PowerSGD on too few rows: its
+# bytes per element grow like 1/rows, and its error falls with them.
+REPRESENTATIVE = 0.1
+# Compressors that act on each element alone: what they do to a row does not depend on
+# the other rows, so a tensor's live rows alone give its exact error.
+_ELEMENTWISE = frozenset({"none", "fp16", "bf16"})
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How the codec probe measures one large parameter: on which of its rows.
+
+    Attributes:
+        rows: rows of the tensor (``shape[0]``).
+        live: rows non-zero in at least one captured step, ascending. Every other row
+            is zero in every step, so compressors that leave zero rows alone give on
+            these rows exactly what they give on the whole tensor.
+        sample: a row sample at one rate among live and among zero rows (ascending),
+            or None when none would be at most half the rows.
+        sampled_live: live rows in ``sample``.
+        energy_ratio: ``sample``'s share of the captured gradients' energy (sum of
+            squares over steps) divided by its share of rows: near 1 when the sample is
+            as heavy as the tensor, below 1 when it misses its heaviest rows.
+    """
+
+    rows: int
+    live: Tensor
+    sample: Tensor | None
+    sampled_live: int
+    energy_ratio: float | None
+
+    def describe(self, mode: str, shape: Sequence[int]) -> dict[str, Any]:
+        """JSON for the profile: which rows a cell was measured on."""
+        index = self.live if mode == "live_rows" else self.sample
+        assert index is not None  # modes are chosen only where their rows exist
+        out: dict[str, Any] = {"rows": int(index.numel()), "of_rows": self.rows,
+                               "numel": int(index.numel()) * math.prod(shape[1:])}
+        if mode == "sample":
+            out.update(live_rows=self.sampled_live, of_live_rows=int(self.live.numel()),
+                       energy_ratio=self.energy_ratio)
+        return out
+
+
+def _systematic(items: Tensor, fraction: float, gen: torch.Generator) -> Tensor:
+    """``round(fraction * len(items))`` items evenly spaced from a random start."""
+    m = items.numel()
+    count = min(m, round(fraction * m))
+    if count == 0:
+        return items[:0]
+    start = float(torch.rand((), generator=gen, dtype=torch.float64))
+    pos = ((torch.arange(count, dtype=torch.float64) + start) * (m / count)).long()
+    return items[pos.clamp_(max=m - 1)]
+
+
+def row_plan(
+    name: str,
+    steps: Sequence[Tensor],
+    sample_above: int = SAMPLE_ABOVE,
+    sample_numel: int = SAMPLE_NUMEL,
+    min_live_rows: int = MIN_LIVE_ROWS,
+) -> RowPlan | None:
+    """The rows on which the codec probe measures parameter ``name``; None: in full.
+
+    Only tensors of more than ``sample_above`` elements get a plan. Its row sample
+    takes rows at one rate ``f`` among the live rows and among the zero rows, so that it
+    has the tensor's share of live rows (which is what top-k's threshold, sign's scale
+    and int8's blocks see); among the live rows every ``1/f``-th by energy, so that it
+    spans the hot and the cold rows; ``f`` aims at ``sample_numel`` elements and at least
+    ``min_live_rows`` live rows. The draw is seeded by the name.
+
+    Args:
+        name: the parameter's name (seeds the draw).
+        steps: its captured gradients, oldest first; same shape.
+        sample_above: elements above which a tensor is measured on its rows.
+        sample_numel: elements a row sample aims at; more lowers the sampling noise of
+            the errors, at proportional cost.
+        min_live_rows: live rows a row sample keeps at least.
+
+    Returns:
+        The plan, or None when the tensor is measured in full.
+    """
+    first = steps[0]
+    n = first.numel()
+    if n <= sample_above or first.dim() == 0:
+        return None
+    rows = int(first.shape[0])
+    energy = torch.zeros(rows, dtype=torch.float64)
+    for g in steps:  # row norms in the gradient's precision, summed in float64
+        norms = torch.linalg.vector_norm(g.detach().reshape(rows, -1), dim=1, dtype=torch.float32)
+        energy += norms.double().cpu().pow(2)
+    live = (energy > 0).nonzero().flatten()
+    fraction = sample_numel / n
+    if live.numel():
+        fraction = max(fraction, min(min_live_rows, live.numel()) / live.numel())
+    sample: Tensor | None = None
+    sampled_live, ratio = 0, None
+    if 2 * math.ceil(fraction * rows) <= rows:  # else a sample would save under half
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        picked_live = _systematic(live[energy[live].argsort(descending=True)], fraction, gen)
+        picked_dead = _systematic((energy == 0).nonzero().flatten(), fraction, gen)
+        sample = torch.cat([picked_live, picked_dead]).sort().values
+        sampled_live = int(picked_live.numel())
+        total = float(energy.sum())
+        if total > 0 and sample.numel():
+            ratio = float(energy[sample].sum()) / total / (sample.numel() / rows)
+    if sample is not None and sample.numel() == 0:  # a tiny sample_numel: no rows at all
+        sample = None
+    if sample is None and 2 * live.numel() > rows:
+        return None  # neither the live rows nor a sample would save much
+    return RowPlan(rows=rows, live=live, sample=sample, sampled_live=sampled_live,
+                   energy_ratio=ratio)
+
+
+def _stands_for(comp: compressors.Compressor, shape: tuple[int, ...], rows: int,
+                world_size: int) -> bool:
+    """Whether ``comp`` sends as many bytes per element for ``rows`` of the tensor."""
+    part_shape = (rows, *shape[1:])
+    full = comp.wire_bytes(shape, world_size) / max(math.prod(shape), 1)
+    part = comp.wire_bytes(part_shape, world_size) / max(math.prod(part_shape), 1)
+    return full > 0 and abs(part / full - 1.0) <= REPRESENTATIVE
+
+
+def _on_live_rows(spec: CompressorSpec, comp: compressors.Compressor, shape: tuple[int, ...],
+                  live: int, world_size: int) -> CompressorSpec | None:
+    """The configuration that, given a tensor's live rows alone, does there exactly what
+    ``spec`` does on the whole tensor (its other rows being zero in every step), or None.
+
+    Elementwise methods are such a configuration themselves. So is PowerSGD if it makes
+    the same choice (compress or not, and the rank): zero rows of M give zero rows of
+    ``P = MQ``, add nothing to ``Q = M^T P``, and keep zero residuals. Top-k is, with its
+    ratio rescaled to keep the same ``k``: zeros are never among the largest (or add
+    nothing when they are). Sign (its scale is a mean over every element, and zeros are
+    sent as +-scale) and int8 (blocks span rows) are not, nor any compressor this probe
+    does not know.
+    """
+    if live < 1 or 2 * live > shape[0]:
+        return None
+    live_shape = (live, *shape[1:])
+    if spec.name in _ELEMENTWISE:
+        return spec
+    if spec.name == "powersgd":
+        cols = math.prod(shape[1:])
+        rank = spec.canonical().kwargs["rank"]
+        plain = [comp.wire_bytes(s, world_size) == 4 * math.prod(s) for s in (shape, live_shape)]
+        same_rank = min(rank, shape[0], cols) == min(rank, live, cols)
+        return spec if plain[0] == plain[1] and same_rank else None
+    if isinstance(comp, TopK):
+        k = comp.k(math.prod(shape))
+        ratio = min(1.0, k / math.prod(live_shape))
+        return CompressorSpec.from_dict({**spec.canonical().to_dict(), "ratio": ratio})
+    return None
 
 
 def _check_grads(grads: Mapping[str, Sequence[Tensor]]) -> int:
@@ -110,20 +310,27 @@ def _measure_spec(
     spec: CompressorSpec,
     grads: Mapping[str, Sequence[Tensor]],
     shapes: Mapping[tuple[int, ...], str],
+    plans: Mapping[str, RowPlan],
     world_size: int,
     reps: int,
     device: torch.device,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """One configuration: timing per distinct shape, errors per parameter."""
+    """One configuration: timing per distinct shape, errors per parameter; parameters
+    with a row plan are measured on their rows where that stands for the whole."""
     spec_dict = spec.to_dict()
     label = spec.label()
     shape_rows = []
     timer = compressors.create(spec.name, **spec.kwargs)
     for shape, name in shapes.items():
         g = grads[name][-1].to(device)
+        plan = plans.get(name)
+        index = plan.sample if plan is not None else None
+        if index is not None and not _stands_for(timer, shape, index.numel(), world_size):
+            index = None
+        x0 = g if index is None else g.index_select(0, index.to(device))
         times = []
         for rep in range(reps + 1):  # the first run builds state (Q, residual): untimed
-            x, comm = g.clone(), LocalComm(world_size)
+            x, comm = x0.clone(), LocalComm(world_size)
             _sync(device)
             start = time.perf_counter()
             timer.reduce([x], [name], comm)
@@ -131,22 +338,34 @@ def _measure_spec(
             if rep:
                 times.append(time.perf_counter() - start)
         messages = {k: int(v) for k, v in timer.wire_messages(shape, world_size).items()}
-        shape_rows.append({
+        seconds = statistics.median(times)
+        row: dict[str, Any] = {
             "spec": spec_dict, "label": label, "shape": list(shape),
-            "numel": g.numel(), "encode_decode_s": statistics.median(times),
+            "numel": g.numel(), "encode_decode_s": seconds,
             "wire_bytes": int(timer.wire_bytes(shape, world_size)),
-            "wire_messages": messages,
-        })
+            "wire_messages": messages, "measured": "full",
+        }
+        if index is not None:
+            # every method's work is linear in the elements, or for PowerSGD in
+            # rows * cols * rank, of which a row sample keeps cols and the rank
+            row.update(encode_decode_s=seconds * g.numel() / x0.numel(), measured="sample",
+                       sample={"param": name, "rows": int(x0.shape[0]), "numel": x0.numel(),
+                               "encode_decode_s": seconds})
+        shape_rows.append(row)
 
     error_rows = []
-    comp = compressors.create(spec.name, **spec.kwargs)
     comm = LocalComm(world_size)
     for name, steps in grads.items():
+        shape = tuple(steps[0].shape)
+        mode, index, run = _error_mode(spec, timer, shape, plans.get(name), world_size)
+        comp = compressors.create(run.name, **run.kwargs)
         rel_steps: list[float | None] = []
         cum_steps: list[float | None] = []
         sum_g: Tensor | None = None
         sum_c: Tensor | None = None
         for grad in steps:  # in captured order: the compressor's state carries over
+            if index is not None:
+                grad = grad.index_select(0, index.to(grad.device))
             out = grad.to(device, copy=True)  # compressed in the gradient's own dtype
             comp.reduce([out], [name], comm)
             g, c = grad.to(device, torch.float32), out.float()
@@ -156,14 +375,51 @@ def _measure_spec(
             cum_steps.append(_rel(sum_g - sum_c, sum_g))
         # The first step has no error feedback yet; it stands alone only if it is all.
         tail = [e for e in (rel_steps[1:] or rel_steps) if e is not None]
-        error_rows.append({
+        error_row: dict[str, Any] = {
             "spec": spec_dict, "label": label, "param": name,
             "rel_error": statistics.fmean(tail) if tail else None,
             "rel_error_steps": rel_steps,
             "cum_error": cum_steps[-1],
             "cum_error_steps": cum_steps,
-        })
+            "measured": mode,
+        }
+        plan = plans.get(name)
+        if plan is not None and mode != "full":
+            error_row["sample"] = plan.describe(mode, shape)
+        error_rows.append(error_row)
     return shape_rows, error_rows
+
+
+def _time_full(spec: CompressorSpec, grad: Tensor, name: str, world_size: int,
+               device: torch.device) -> float:
+    """One timed encode+decode of the whole tensor, after an untimed one (state)."""
+    comp = compressors.create(spec.name, **spec.kwargs)
+    g = grad.to(device)
+    comp.reduce([g.clone()], [name], LocalComm(world_size))
+    x, comm = g.clone(), LocalComm(world_size)
+    _sync(device)
+    start = time.perf_counter()
+    comp.reduce([x], [name], comm)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _error_mode(
+    spec: CompressorSpec, comp: compressors.Compressor, shape: tuple[int, ...],
+    plan: RowPlan | None, world_size: int,
+) -> tuple[str, Tensor | None, CompressorSpec]:
+    """How to measure one cell's error: ``(mode, rows or None, configuration to run)``.
+
+    ``live_rows`` where that is exact, else ``sample`` where the row sample stands for
+    the tensor, else ``full``."""
+    if plan is None:
+        return "full", None, spec
+    live_spec = _on_live_rows(spec, comp, shape, int(plan.live.numel()), world_size)
+    if live_spec is not None:
+        return "live_rows", plan.live, live_spec
+    if plan.sample is not None and _stands_for(comp, shape, plan.sample.numel(), world_size):
+        return "sample", plan.sample, spec
+    return "full", None, spec
 
 
 def probe_codecs(
@@ -176,6 +432,8 @@ def probe_codecs(
     distribute: bool = False,
     group: dist.ProcessGroup | None = None,
     device: str | torch.device | None = None,
+    sample_above: int | None = SAMPLE_ABOVE,
+    sample_numel: int = SAMPLE_NUMEL,
 ) -> dict[str, Any]:
     """Time and size every compressor of ``grid`` and measure its error on real gradients.
 
@@ -190,22 +448,37 @@ def probe_codecs(
             medians within a few percent on a quiet machine, raise it on a noisy one.
         budget_s: seconds after which no further configuration is started (one always
             is, per rank); the rest are listed in ``skipped`` and ``truncated`` is true.
+            Large tensors are measured on rows first, so that every configuration
+            fits; budget left then times the scaled cells in full, slowest first (None:
+            all of them).
         distribute: share the grid among the ranks of ``group`` (round robin) and combine
             the results, which every rank returns. Each rank measures errors on its own
             gradients. Call it on every rank then.
         group: the process group for ``distribute`` (default: the world).
         device: where to run the compressors (default: where the gradients are);
             pass the training device, since codec cost on a GPU is not that on a CPU.
+        sample_above: tensors with more elements are measured on their rows (live
+            rows or a row sample, see the module doc); None measures every tensor in
+            full (slow for large embedding tables).
+        sample_numel: elements a row sample aims at. Raise it if the errors of sampled
+            cells matter to a decision (their sampling noise falls like
+            ``1/sqrt(sample_numel)``); the probe's time grows in proportion.
 
     Returns:
-        ``{"world_size", "grid", "skipped", "shapes", "errors", "truncated", "wall_s"}``:
-        ``grid`` the configurations measured; ``shapes`` one row per configuration and
-        distinct shape (``encode_decode_s``, ``wire_bytes``, ``wire_messages``);
-        ``errors`` one row per configuration and parameter (``rel_error``,
-        ``rel_error_steps``, ``cum_error``, ``cum_error_steps``; see the module doc).
+        ``{"world_size", "grid", "skipped", "shapes", "errors", "truncated", "sampling",
+        "wall_s"}``: ``grid`` the configurations measured; ``shapes`` one row per
+        configuration and distinct shape (``encode_decode_s``, ``wire_bytes``,
+        ``wire_messages``, ``measured``: ``"full"``, or ``"sample"`` for a row
+        sample's time scaled, with ``sample``: the parameter, rows, numel and time of
+        the sample); ``errors`` one row per configuration and parameter
+        (``rel_error``, ``rel_error_steps``, ``cum_error``, ``cum_error_steps``, see
+        the module doc; ``measured``: ``"full"``, ``"live_rows"`` or ``"sample"``, with
+        ``sample``: rows, of_rows, numel and for a sample its live rows and energy
+        ratio); ``sampling`` the thresholds used.
 
     Raises:
-        ProfileError: no gradients, ragged steps, a bad world size or ``reps``.
+        ProfileError: no gradients, ragged steps, a bad world size, ``reps`` or
+            sample size.
         CompressorError: an unknown compressor or bad parameter in ``grid``.
     """
     started = time.monotonic()
@@ -216,6 +489,9 @@ def probe_codecs(
         raise ProfileError(f"reps must be >= 1, got {reps}")
     if budget_s is not None and not budget_s > 0:
         raise ProfileError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    if sample_above is not None and (sample_above < 1 or sample_numel < 1):
+        raise ProfileError(f"sample_above and sample_numel must be >= 1, got {sample_above} "
+                           f"and {sample_numel}")
     specs = [CompressorSpec.from_dict(d) for d in (DEFAULT_GRID if grid is None else grid)]
     first = next(iter(grads.values()))[0]
     where = torch.device(device) if device is not None else first.device
@@ -225,6 +501,12 @@ def probe_codecs(
     shapes: dict[tuple[int, ...], str] = {}
     for name, gs in grads.items():
         shapes.setdefault(tuple(gs[0].shape), name)
+    plans: dict[str, RowPlan] = {}
+    if sample_above is not None:
+        for name, gs in grads.items():
+            plan = row_plan(name, gs, sample_above, sample_numel)
+            if plan is not None:
+                plans[name] = plan
 
     rank, ranks = 0, 1
     if distribute and dist.is_available() and dist.is_initialized():
@@ -245,12 +527,26 @@ def probe_codecs(
             skipped.append(index)
             continue
         t0 = time.perf_counter()
-        done[index] = _measure_spec(specs[index], grads, shapes, world_size, reps, where)
+        done[index] = _measure_spec(specs[index], grads, shapes, plans, world_size, reps,
+                                    where)
         logger.debug("codec probe: %s took %.2f s", specs[index].label(),
                      time.perf_counter() - t0)
     if skipped:
         logger.info("codec probe: budget of %.1f s spent; skipped %d configurations",
                     budget_s, len(skipped))
+    # With every cell covered, budget left buys full-size timings of the scaled ones,
+    # the slowest first: scaling from a sample that fits in cache can miss what a large
+    # tensor costs in memory traffic and allocation (int8 on 6.4 M elements: 2-4x).
+    scaled = sorted((row for s_rows, _ in done.values() for row in s_rows
+                     if row["measured"] == "sample"), key=lambda r: -r["encode_decode_s"])
+    for row in scaled:
+        left = None if budget_s is None else budget_s - (time.monotonic() - started)
+        if left is not None and left < 2 * row["encode_decode_s"]:  # a warm run and one timed
+            continue
+        spec = CompressorSpec.from_dict(row["spec"])
+        name = row["sample"]["param"]
+        row["encode_decode_s"] = _time_full(spec, grads[name][-1], name, world_size, where)
+        row.update(measured="full", reps=1)
 
     part: dict[str, Any] = {
         "done": {str(i): {"shapes": s, "errors": e} for i, (s, e) in done.items()},
@@ -263,6 +559,12 @@ def probe_codecs(
         measured.update({int(i): v for i, v in p["done"].items()})
         all_skipped.extend(p["skipped"])
     order = sorted(measured)
+    errors = [row for i in order for row in measured[i]["errors"]]
+    modes = [row["measured"] for row in errors]
+    if plans:
+        logger.info("codec probe: of %d error cells, %d exact on live rows, %d on row "
+                    "samples (%d large parameters)", len(errors), modes.count("live_rows"),
+                    modes.count("sample"), len(plans))
     return {
         "world_size": world_size,
         "steps": steps,
@@ -270,12 +572,14 @@ def probe_codecs(
         "grid": [specs[i].to_dict() for i in order],
         "skipped": [specs[i].to_dict() for i in sorted(all_skipped)],
         "shapes": [row for i in order for row in measured[i]["shapes"]],
-        "errors": [row for i in order for row in measured[i]["errors"]],
+        "errors": errors,
         # mean gradient norm per parameter (this rank's): weights per-layer errors into
         # the error of the whole gradient
         "grad_norms": {name: float(sum(float(g.float().norm()) for g in gs) / len(gs))
                        for name, gs in grads.items()},
         "truncated": bool(all_skipped),
+        "sampling": {"above": sample_above, "numel": sample_numel,
+                     "min_live_rows": MIN_LIVE_ROWS, "representative": REPRESENTATIVE},
         "wall_s": time.monotonic() - started,
     }
 
