@@ -151,3 +151,107 @@ def test_autotune_profile_end_to_end(tmp_path: Path) -> None:
     assert profile.codecs["shapes"] and profile.codecs["errors"]
     assert len(profile.calibration["results"]) == 8  # baselines and random policies
     assert "network" in proc.stdout and "codecs" in proc.stdout
+
+
+# --- codec cells measured on rows ------------------------------------------------------
+
+
+def with_rows() -> dict[str, Any]:
+    """minimal() whose codec probe measured a large table on its rows: one time scaled
+    from a row sample, errors exact on live rows, from a row sample, and one in full as
+    profiles before row sampling wrote them (no ``measured``)."""
+    data = minimal()
+    data["compute"]["params"].append(
+        {"name": "emb.weight", "shape": [400000, 16], "numel": 6_400_000, "ready_s": 0.02})
+    fp16, int8 = {"compressor": "fp16"}, {"compressor": "int8"}
+    data["codecs"] = {
+        "world_size": 2, "grid": [fp16, int8], "skipped": [],
+        "shapes": [
+            {"spec": fp16, "shape": [400000, 16], "encode_decode_s": 0.008, "wire_bytes": 12800000,
+             "measured": "sample", "sample": {"param": "emb.weight", "rows": 16384,
+                                              "numel": 262144, "encode_decode_s": 0.0003}},
+            {"spec": int8, "shape": [400000, 16], "encode_decode_s": 0.3, "wire_bytes": 6425000,
+             "measured": "full", "reps": 1},
+            {"spec": fp16, "shape": [10, 20], "encode_decode_s": 1e-5, "wire_bytes": 400},
+        ],
+        "errors": [
+            {"spec": fp16, "param": "emb.weight", "rel_error": 0.02, "cum_error": 0.02,
+             "measured": "live_rows", "sample": {"rows": 2020, "of_rows": 400000, "numel": 32320}},
+            {"spec": int8, "param": "emb.weight", "rel_error": 0.008, "cum_error": 0.007,
+             "measured": "sample", "sample": {"rows": 16384, "of_rows": 400000, "numel": 262144,
+                                              "live_rows": 83, "of_live_rows": 2020,
+                                              "energy_ratio": 0.76}},
+            *({"spec": spec, "param": name, "rel_error": 0.001, "cum_error": 0.001}
+              for spec in (fp16, int8) for name in ("fc.weight", "fc.bias")),
+        ],
+        "sampling": {"above": 1048576, "numel": 262144, "min_live_rows": 64,
+                     "representative": 0.1},
+    }
+    return data
+
+
+def test_cells_measured_on_rows_load_and_old_cells_read_as_full() -> None:
+    profile = Profile.from_dict(with_rows())
+    assert [e.get("measured", "full") for e in profile.codecs["errors"]] == [
+        "live_rows", "sample", "full", "full", "full", "full"]
+    assert Profile.from_dict(profile.to_dict()) == profile
+
+
+def _codecs_broken(path: list[Any], value: Any) -> dict[str, Any]:
+    data = with_rows()
+    target = data["codecs"]
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "path,value,field",
+    [
+        (["errors", 1, "measured"], "guessed", "codecs.errors[1].measured: expected one of 'full'"),
+        (["errors", 1, "sample"], KeyError, "codecs.errors[1].sample: missing"),
+        (["errors", 1, "sample", "rows"], 500000, "codecs.errors[1].sample.rows: expected an integer in [1, 400000]"),
+        (["errors", 0, "sample", "numel"], 0, "codecs.errors[0].sample.numel"),
+        (["errors", 1, "sample", "energy_ratio"], -1.0, "codecs.errors[1].sample.energy_ratio"),
+        (["shapes", 0, "measured"], "live_rows", "codecs.shapes[0].measured: expected one of 'full', 'sample'"),
+        (["shapes", 0, "sample", "encode_decode_s"], float("inf"), "codecs.shapes[0].sample.encode_decode_s"),
+        (["shapes", 0, "sample", "param"], "", "codecs.shapes[0].sample.param"),
+        (["sampling", "above"], 0, "codecs.sampling.above"),
+        (["skipped"], [{"compressor": "zip"}], "codecs.skipped[0]: unknown compressor 'zip'"),
+        (["structure"], {"emb.weight": {"row_density_max": 1.5}},
+         "codecs.structure['emb.weight'].row_density_max: expected a number >= 0 and <= 1"),
+        (["structure"], {"emb.weight": 0.1}, "codecs.structure['emb.weight']: expected an object"),
+    ],
+)
+def test_malformed_row_cells_are_rejected_naming_the_field(path: list[Any], value: Any, field: str) -> None:
+    with pytest.raises(ProfileError) as info:
+        Profile.from_dict(_codecs_broken(path, value), source="p.json")
+    assert f"p.json: {field}" in str(info.value)
+
+
+def test_show_says_how_many_cells_were_extrapolated_and_how_many_are_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "rows.json"
+    Profile.from_dict(with_rows()).save(path)
+    assert main(["show", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert ("1 of 6 error cells extrapolated from row samples (energy ratio 0.76-0.76), "
+            "1 exact on live rows; 1 of 3 encode+decode times scaled from row samples") in out
+    assert "missing" not in out
+    # a profile whose probe ran out of budget (written before row sampling) says what is missing
+    data = with_rows()
+    data["codecs"]["skipped"] = [{"compressor": "sign"}]
+    data["codecs"]["truncated"] = True
+    for row in data["codecs"]["shapes"] + data["codecs"]["errors"]:
+        row.pop("measured", None)
+        row.pop("sample", None)
+    Profile.from_dict(data).save(path)
+    assert main(["show", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "codec probe stopped at its time budget: 3 cells missing (sign not measured)" in out
+    assert "extrapolated" not in out

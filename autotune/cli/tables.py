@@ -11,7 +11,7 @@ from rich.text import Text
 
 from autotune.probes.profile import Profile
 
-__all__ = ["print_profile"]
+__all__ = ["codec_coverage", "print_profile"]
 
 
 def _mbit(bps: float) -> str:
@@ -149,8 +149,56 @@ def _codecs(console: Console, profile: Profile) -> None:
     console.print("[dim]errors: ||g - C(g)|| / ||g|| on real gradients, weighted by size; "
                   "'over steps' compares sums over the captured steps, where error feedback "
                   "pays back what one step dropped[/dim]")
-    if codecs.get("truncated"):
-        console.print("[yellow]codec probe stopped at its time budget; some cells are missing[/yellow]")
+    coverage = codec_coverage(profile)
+    if coverage["extrapolated_errors"] or coverage["live_rows"] or coverage["scaled_times"]:
+        ratios = coverage["energy_ratios"]
+        spread = f" (energy ratio {min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
+        console.print(
+            f"codec probe on the rows of {coverage['sampled_params']} large parameter(s): "
+            f"{coverage['extrapolated_errors']} of {coverage['errors']} error cells "
+            f"extrapolated from row samples{spread}, {coverage['live_rows']} exact on "
+            f"live rows; {coverage['scaled_times']} of {coverage['times']} encode+decode "
+            "times scaled from row samples"
+        )
+    if coverage["missing"]:
+        skipped = ", ".join(_spec_label(s) for s in codecs.get("skipped", []))
+        console.print(f"[yellow]codec probe stopped at its time budget: {coverage['missing']} "
+                      f"cells missing{' (' + skipped + ' not measured)' if skipped else ''}"
+                      "[/yellow]")
+
+
+def codec_coverage(profile: Profile) -> dict[str, Any]:
+    """How the codec probe measured the profile's cells.
+
+    Returns:
+        ``errors`` (parameter x configuration cells measured), ``missing`` (cells of the
+        grid's configurations and the profiled parameters without an error),
+        ``extrapolated_errors`` (on row samples), ``live_rows`` (exact on live rows),
+        ``times`` and ``scaled_times`` (encode+decode per shape, and of those scaled
+        from a row sample), ``sampled_params`` (parameters measured on rows) and the
+        row samples' ``energy_ratios``. Profiles from before row sampling count every
+        cell as measured in full.
+    """
+    codecs = profile.codecs
+    errors = codecs.get("errors", [])
+    times = codecs.get("shapes", [])
+    params = [p["name"] for p in profile.compute["params"]]
+    labels = {_spec_label(s) for s in (*codecs.get("grid", []), *codecs.get("skipped", []))}
+    have = {(_spec_label(e["spec"]), e["param"]) for e in errors}
+    missing = sum(1 for label in labels for name in params if (label, name) not in have)
+    on_rows = [e for e in errors if e.get("measured", "full") != "full"]
+    sampled = [e for e in on_rows if e.get("measured") == "sample"]
+    return {
+        "errors": len(errors),
+        "missing": missing,
+        "extrapolated_errors": len(sampled),
+        "live_rows": len(on_rows) - len(sampled),
+        "times": len(times),
+        "scaled_times": sum(1 for s in times if s.get("measured") == "sample"),
+        "sampled_params": len({e["param"] for e in on_rows}),
+        "energy_ratios": sorted({float(e["sample"]["energy_ratio"]) for e in sampled
+                                 if e.get("sample", {}).get("energy_ratio") is not None}),
+    }
 
 
 def _numel(p: Mapping[str, Any]) -> int:

@@ -243,6 +243,9 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
 
     codecs = v.obj(data, "codecs")
     v.optional(codecs, "codecs.world_size", v.integer, low=1)
+    for key in ("grid", "skipped"):  # the configurations measured, and those the budget cut
+        for i, spec in enumerate(v.optional(codecs, f"codecs.{key}", v.array) or ()):
+            v.spec_value(spec, f"codecs.{key}[{i}]")
     for i, s in enumerate(v.optional(codecs, "codecs.shapes", v.array) or ()):
         path = f"codecs.shapes[{i}]"
         v.is_obj(s, path)
@@ -250,6 +253,13 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
         v.shape(s, f"{path}.shape")
         v.number(s, f"{path}.encode_decode_s", low=0.0, high=MAX_SECONDS)
         v.number(s, f"{path}.wire_bytes", low=0.0, high=MAX_BYTES)
+        # how the time was measured: absent (profiles before row sampling) is "full"
+        if v.optional(s, f"{path}.measured", v.choice, options=("full", "sample")) == "sample":
+            sample = v.obj(s, f"{path}.sample")
+            v.string(sample, f"{path}.sample.param")
+            v.integer(sample, f"{path}.sample.rows", low=1)
+            v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
+            v.number(sample, f"{path}.sample.encode_decode_s", low=0.0, high=MAX_SECONDS)
     for i, e in enumerate(v.optional(codecs, "codecs.errors", v.array) or ()):
         path = f"codecs.errors[{i}]"
         v.is_obj(e, path)
@@ -257,6 +267,23 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
         v.string(e, f"{path}.param")
         v.number(e, f"{path}.rel_error", low=0.0, high=MAX_RATIO)
         v.optional(e, f"{path}.cum_error", v.number, low=0.0, high=MAX_RATIO)
+        mode = v.optional(e, f"{path}.measured", v.choice,
+                          options=("full", "live_rows", "sample"))
+        if mode in ("live_rows", "sample"):
+            sample = v.obj(e, f"{path}.sample")
+            of_rows = v.integer(sample, f"{path}.sample.of_rows", low=1, high=MAX_NUMEL)
+            v.integer(sample, f"{path}.sample.rows", low=1, high=of_rows)
+            v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
+            v.optional(sample, f"{path}.sample.energy_ratio", v.number, low=0.0, high=MAX_RATIO)
+    structure = v.optional(codecs, "codecs.structure", v.obj) or {}
+    for name, entry in structure.items():  # keys are parameter names, which hold dots
+        path = f"codecs.structure[{name!r}]"
+        v.is_obj(entry, path)
+        if entry.get("row_density_max") is not None:  # what the cost model reads
+            v.value(entry["row_density_max"], f"{path}.row_density_max", low=0.0, high=1.0)
+    sampling = v.optional(codecs, "codecs.sampling", v.obj) or {}
+    v.optional(sampling, "codecs.sampling.above", v.integer, low=1)
+    v.optional(sampling, "codecs.sampling.numel", v.integer, low=1)
     norms = v.optional(codecs, "codecs.grad_norms", v.obj) or {}
     for name, norm in norms.items():  # keys are parameter names, which hold dots
         v.value(norm, f"codecs.grad_norms[{name!r}]", low=0.0, high=MAX_RATIO)
@@ -304,6 +331,13 @@ class _Validator:
         if nonempty and not value:
             _fail(self.source, path, "expected a non-empty array")
         return list(value)
+
+    def choice(self, parent: Mapping[str, Any], path: str, options: tuple[str, ...]) -> str:
+        value = self._get(parent, path)
+        if value not in options:
+            _fail(self.source, path, f"expected one of {', '.join(map(repr, options))}, "
+                                     f"got {_short(value)}")
+        return str(value)
 
     def string(self, parent: Mapping[str, Any], path: str) -> str:
         value = self._get(parent, path)
@@ -355,10 +389,13 @@ class _Validator:
         return shape
 
     def spec(self, parent: Mapping[str, Any], path: str) -> None:
+        self.spec_value(self._get(parent, path), path)
+
+    def spec_value(self, value: Any, path: str) -> None:
         from autotune.compressors.base import CompressorSpec
 
         try:
-            CompressorSpec.from_dict(self._get(parent, path))
+            CompressorSpec.from_dict(value)
         except AutotuneError as exc:
             _fail(self.source, path, str(exc))
 
