@@ -186,6 +186,8 @@ def valid_policies(draw: st.DrawFn) -> dict[str, Any]:
                 continue
             if param.kind is bool:
                 out[key] = draw(st.booleans())
+            elif param.kind is str:
+                out[key] = draw(st.sampled_from(param.choices))
             elif param.kind is int:
                 out[key] = draw(st.integers(int(param.low or 0) + int(param.low_open), int(param.high or 64)))
             else:
