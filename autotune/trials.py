@@ -1,0 +1,105 @@
+"""Choosing by measurement: which of several interleaved set-ups is fastest, and is it
+fastest beyond noise?
+
+A prediction prunes; a measurement decides. Given each set-up's measured step times
+(interleaved, so CPU drift hits all alike), the winner is the lowest median. A
+bootstrap interval of each rival's median over the winner's tells whether the gap is
+real: a rival whose interval reaches 1 is *tied* with the winner, and a tie goes to the
+simpler set-up (the caller orders them, simplest first: plain DDP, then the baselines,
+then tuned candidates). :func:`decide` is what ``autotune tune``'s verification uses;
+:func:`separated` tells an adaptive measurement when it may stop.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Decision", "ratio_interval", "decide", "separated"]
+
+LEVEL = 0.95  # two-sided confidence of the intervals
+RESAMPLES = 2000
+
+
+def ratio_interval(
+    rival: Sequence[float], best: Sequence[float], level: float = LEVEL,
+    resamples: int = RESAMPLES, seed: int = 0,
+) -> tuple[float, float]:
+    """Bootstrap interval of ``median(rival) / median(best)`` (percentile method,
+    resampling each set-up's steps independently)."""
+    a = np.asarray(rival, dtype=float)
+    b = np.asarray(best, dtype=float)
+    if a.size == 0 or b.size == 0:
+        raise ValueError("ratio_interval needs at least one time for each set-up")
+    rng = np.random.default_rng(seed)
+    ra = np.median(a[rng.integers(0, a.size, (resamples, a.size))], axis=1)
+    rb = np.median(b[rng.integers(0, b.size, (resamples, b.size))], axis=1)
+    ratios = ra / np.maximum(rb, 1e-12)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The measured winner and why."""
+
+    winner: str
+    medians: dict[str, float]
+    # per rival of the fastest set-up: the interval of its median over the fastest's
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    fastest: str = ""  # lowest median (the winner unless a simpler set-up tied with it)
+    separated: bool = False  # the fastest beats every other set-up beyond the interval
+    reason: str = ""
+
+
+def decide(times: Mapping[str, Sequence[float]], order: Sequence[str], level: float = LEVEL) -> Decision:
+    """The fastest set-up by median; a simpler one (earlier in ``order``) whose interval
+    over it reaches 1 ties and wins instead.
+
+    Args:
+        times: measured step times per set-up name.
+        order: every name of ``times``, simplest first.
+        level: confidence of the intervals.
+    """
+    missing = set(times) - set(order)
+    if missing or not times:
+        raise ValueError(f"order must name every set-up; missing {sorted(missing)}")
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    fastest = min(times, key=lambda n: (medians[n], order.index(n)))
+    intervals = {n: ratio_interval(times[n], times[fastest], level)
+                 for n in times if n != fastest}
+    ties = [n for n in order if n in intervals and intervals[n][0] <= 1.0]
+    simpler_ties = [n for n in ties if order.index(n) < order.index(fastest)]
+    is_separated = not ties
+    if simpler_ties:
+        winner = simpler_ties[0]
+        low, high = intervals[winner]
+        reason = (f"{winner} ties with the fastest, {fastest} ({winner}/{fastest} "
+                  f"{medians[winner] / medians[fastest]:.3f}, {level:.0%} interval "
+                  f"{low:.3f}-{high:.3f} reaches 1): the simpler wins")
+    else:
+        winner = fastest
+        if is_separated:
+            runner = min(intervals, key=lambda n: medians[n]) if intervals else None
+            reason = (f"{winner} is fastest beyond noise" + (
+                f": the runner-up {runner} is {medians[runner] / medians[winner]:.3f}x "
+                f"(interval {intervals[runner][0]:.3f}-{intervals[runner][1]:.3f})" if runner else ""))
+        else:
+            reason = (f"{winner} has the lowest median; " + ", ".join(
+                f"{n} within noise ({intervals[n][0]:.3f}-{intervals[n][1]:.3f})" for n in ties)
+                + " but not simpler")
+    return Decision(winner=winner, medians=medians, intervals=intervals, fastest=fastest,
+                    separated=is_separated, reason=reason)
+
+
+def separated(times: Mapping[str, Sequence[float]], level: float = LEVEL) -> bool:
+    """Whether the lowest-median set-up beats the runner-up beyond the interval."""
+    if len(times) < 2 or any(len(t) < 2 for t in times.values()):
+        return False
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    best, runner = sorted(medians, key=lambda n: medians[n])[:2]
+    return ratio_interval(times[runner], times[best], level)[0] > 1.0
