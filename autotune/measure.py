@@ -184,22 +184,37 @@ def rank_measure(
     warmup: int = 3,
     lr: float = 0.01,
     threads: int | None = None,
+    min_rounds: int | None = None,
+    budget_s: float | None = None,
+    separate: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run every set-up for ``rounds`` interleaved blocks of ``block`` steps.
+
+    Adaptive when ``separate`` names set-ups (those that may win): after ``min_rounds``
+    rounds, a set-up that measured slower than the fastest of them beyond the bootstrap
+    interval (:func:`autotune.trials.ratio_interval`), and any set-up not named, stops
+    being measured; the measurement ends when one named set-up is left, after
+    ``rounds`` rounds, or once ``budget_s`` seconds of measuring have passed. Rank 0
+    decides from the slowest rank's times and broadcasts, so every rank agrees.
 
     Args:
         workload: a workload spec (built-in name, ``file.py:fn`` or ``module:fn``).
         setups: :class:`Setup` fields as dicts (JSON travels to the ranks).
-        rounds: blocks per set-up; more rounds average out CPU-speed drift.
+        rounds: blocks per set-up (at most, when adaptive); more rounds average out
+            CPU-speed drift.
         block: consecutive steps per block.
         warmup: untimed steps per set-up before the first block (DDP rebuilds its
             buckets after step 1, and compression starts at step 2).
         lr: SGD learning rate.
         threads: torch intra-op threads per rank (default: cores / local ranks).
+        min_rounds: rounds every set-up runs before any is dropped (default: ``rounds``).
+        budget_s: seconds of measurement after which it stops (None: no limit).
+        separate: the set-ups that may win (None: measure all for ``rounds`` rounds).
 
     Returns:
         On every rank: per set-up, the slowest rank's time of each measured step, and
-        the bytes each compressor handed to collectives in the last step.
+        the bytes each compressor handed to collectives in the last step; ``rounds``
+        (rounds run) and ``measure_s`` (seconds spent measuring).
     """
     from autotune.workloads import resolve_workload
 
@@ -210,17 +225,40 @@ def rank_measure(
         for _ in range(warmup):
             _run_step(runner, work.make_batch, work.loss_fn)
     before = {id(r): _totals(r) for r in runners}
-    for _ in range(rounds):
-        for runner in runners:
+    active = list(runners)
+    slowest: dict[int, list[float]] = {id(r): [] for r in runners}  # the slowest rank's times
+    floor_rounds = rounds if min_rounds is None else max(1, min(min_rounds, rounds))
+    started = time.perf_counter()
+    done = 0
+    while done < rounds and active:
+        for runner in active:
             dist.barrier()  # every set-up's block starts together on all ranks
             for _ in range(block):
                 runner.times.append(_run_step(runner, work.make_batch, work.loss_fn))
+        # this round's steps, as the slowest rank saw them (one small allreduce)
+        fresh = torch.tensor([t for r in active for t in r.times[-block:]], dtype=torch.float64)
+        dist.all_reduce(fresh, op=dist.ReduceOp.MAX)
+        for i, runner in enumerate(active):
+            slowest[id(runner)].extend(fresh[i * block : (i + 1) * block].tolist())
+        done += 1
+        if separate is None or done < floor_rounds:
+            continue
+        keep = torch.zeros(len(active), dtype=torch.uint8)
+        if dist.get_rank() == 0:
+            over = budget_s is not None and time.perf_counter() - started >= budget_s
+            names = _contenders({r.setup.name: slowest[id(r)] for r in active}, separate)
+            keep = torch.tensor([0 if over else int(r.setup.name in names) for r in active],
+                                dtype=torch.uint8)
+        dist.broadcast(keep, src=0)
+        active = [r for r, k in zip(active, keep.tolist()) if k]
+        if len([r for r in active if r.setup.name in separate]) <= 1:
+            break
+    measure_s = time.perf_counter() - started
     results = []
     for runner in runners:
-        times = torch.tensor(runner.times, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        entry: dict[str, Any] = {**asdict(runner.setup), "step_s": times.tolist(),
-                                 "step_s_median": statistics.median(times.tolist())}
+        times = slowest[id(runner)]
+        entry: dict[str, Any] = {**asdict(runner.setup), "step_s": times,
+                                 "step_s_median": statistics.median(times)}
         if runner.note:
             entry["note"] = runner.note
         breakdown = _breakdown(runner, before[id(runner)])
@@ -242,7 +280,20 @@ def rank_measure(
                 {"none": nbytes} if runner.setup.kind == "ddp" else {"fp16": nbytes // 2}
             )
         results.append(entry)
-    return {"world_size": dist.get_world_size(), "workload": work.name, "results": results}
+    return {"world_size": dist.get_world_size(), "workload": work.name, "results": results,
+            "rounds": done, "measure_s": measure_s}
+
+
+def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:
+    """The set-ups of ``separate`` not yet shown slower than the fastest of them."""
+    from autotune.trials import ratio_interval
+
+    named = {n: t for n, t in times.items() if n in separate}
+    if not named:
+        return set()
+    best = min(named, key=lambda n: statistics.median(named[n]))
+    return {n for n, t in named.items()
+            if n == best or ratio_interval(t, named[best])[0] <= 1.0}
 
 
 def _totals(runner: _Runner) -> tuple[dict[str, float], int] | None:

@@ -107,7 +107,8 @@ def test_tune_cli_writes_a_policy_and_a_table(tmp_path: Path, capsys) -> None:
     profile = tmp_path / "profile.json"
     synthetic_profile("cnn", link_bps=1e8).save(profile)
     out = tmp_path / "policy.json"
-    assert main(["tune", str(profile), "--out", str(out), "--trials", "30", "--seed", "3"]) == 0
+    assert main(["tune", str(profile), "--out", str(out), "--trials", "30", "--seed", "3",
+                 "--no-verify"]) == 0
     policy = load_policy(out)
     assert policy.meta["seed"] == 3 and policy.meta["chosen"] == "tuned"
     text = capsys.readouterr().out

@@ -81,7 +81,11 @@ def _print_policy(console: Console, policy: Policy, source: str) -> None:
     scalars = {k: v for k, v in policy.meta.items() if isinstance(v, (str, int, float, bool))}
     for key, value in scalars.items():
         console.print(Text(f"meta.{key}: {value}", style="dim"))
-    nested = len(policy.meta) - len(scalars)
+    if policy.meta.get("verified"):
+        from autotune.cli.tune import print_verification
+
+        print_verification(console, policy.meta)
+    nested = len(policy.meta) - len(scalars) - (1 if policy.meta.get("verified") else 0)
     if nested:
         console.print(Text(f"meta: {nested} nested entries not shown (see --json)", style="dim"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,8 +24,19 @@ def _max_error(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     from autotune.search.tuner import DEFAULT_MAX_ERROR
+    from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES
 
     parser = add_command(
         subparsers,
@@ -33,13 +44,15 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "search the fastest policy within a compression-error budget",
         "Fit the cost model to a profile, then search bucket size and per-parameter\n"
         "compressors with Optuna (baselines first: plain DDP at several bucket sizes,\n"
-        "fp16, PowerSGD rank 1 and 4), refine layer by layer, and write the policy. If\n"
-        "the tuned policy is not predicted to beat the best baseline, the baseline is\n"
-        "written. --verify K measures the K best candidates and the best baselines on the\n"
-        "live job and keeps the fastest.\n\n"
+        "fp16, bf16, PowerSGD rank 1 and 4), refine layer by layer, then verify: measure\n"
+        "the best candidates beside plain DDP and PyTorch's own hooks on the cluster the\n"
+        "profile describes (its workload, hosts, ranks per host, link), interleaved, until\n"
+        "a bootstrap 95% interval separates the fastest or --verify-budget ends, and write\n"
+        "the measured fastest within the error budget. When a baseline wins, its\n"
+        "equivalent policy is written, and the table says so.\n\n"
         "examples:\n  autotune tune profile.json --out policy.json\n"
         "  autotune tune profile.json --storage sqlite:///study.db --study-name cnn --trials 500\n"
-        "  autotune tune profile.json --verify 3",
+        "  autotune tune profile.json --no-verify",
     )
     parser.add_argument("profile", type=Path, help="profile.json from `autotune profile`")
     parser.add_argument("--out", type=Path, default=Path("policy.json"), help="policy file to write")
@@ -50,9 +63,19 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--trials", type=positive_int, default=200, help="Optuna trials")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (same profile and seed: "
                                                             "same policy)")
-    parser.add_argument("--verify", type=int, default=0, metavar="K",
-                        help="measure the K best candidates and the best baselines on the live "
-                             "job, interleaved, and choose by measurement")
+    parser.add_argument("--verify", type=int, default=DEFAULT_CANDIDATES, metavar="K",
+                        help="measure K tuned candidates (spread over the predicted error/time "
+                             "Pareto front) beside plain DDP, PyTorch's own hooks and our "
+                             "policies for the same methods on the live job, interleaved, and "
+                             "write the measured fastest within the error budget (a tie goes to "
+                             f"the simpler) (default: {DEFAULT_CANDIDATES}; 0 or --no-verify: "
+                             "choose by prediction alone)")
+    parser.add_argument("--no-verify", dest="verify", action="store_const", const=0,
+                        help="choose by the cost model's prediction alone (no job is started)")
+    parser.add_argument("--verify-budget", type=_positive_seconds, default=DEFAULT_BUDGET_S,
+                        metavar="SECONDS",
+                        help="measurement time after which the lowest median wins even if its "
+                             f"lead is within noise (default: {DEFAULT_BUDGET_S:g})")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage URL, e.g. sqlite:///study.db (default: in memory)")
     parser.add_argument("--study-name", default=None,
@@ -93,7 +116,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = tune(profile, max_error=args.max_error, trials=args.trials, seed=args.seed,
                       storage=args.storage, study_name=args.study_name,
                       progress=lambda done, total: progress.update(task, completed=done),
-                      top_k=max(1, args.verify))
+                      top_k=max(1, 4 * args.verify))
     policy = result.policy
     verified = None
     if args.verify:
@@ -141,26 +164,61 @@ def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tu
     from autotune.search.verify import candidates, verify_result
 
     count = len(candidates(result, args.verify))
-    with placement(args) as where, out.status(f"verifying {count} candidates on the live job"):
-        return verify_result(result, args.verify, args.workload, where)
+    backend = str(profile.env.get("backend", "gloo"))
+    with placement(args) as where, out.status(
+        f"verifying {count} candidates beside the baselines on the live job "
+        f"(at most {args.verify_budget:g} s of measurement)"
+    ):
+        return verify_result(result, args.verify, args.workload, where,
+                             budget_s=args.verify_budget, backend=backend)
 
 
 def _print(out: Any, result: Any, policy: Any, verified: dict[str, Any] | None) -> None:
-    ref = next((b.predicted_s for b in result.baselines if b.name == "ddp"), result.tuned.predicted_s)
-    table = Table(title="predicted step time (the cost model fitted to the profile)")
-    cols = ["policy", "predicted ms", "speedup vs DDP", "error", "within budget"]
     if verified:
-        cols.append("measured ms")
-    for col in cols:
+        print_verification(out, policy.meta)
+        return
+    ref = next((b.predicted_s for b in result.baselines if b.name == "ddp"), result.tuned.predicted_s)
+    table = Table(title="predicted step time (the cost model fitted to the profile; not verified)")
+    for col in ["policy", "predicted ms", "speedup vs DDP", "error", "within budget"]:
         table.add_column(col, justify="left" if col == "policy" else "right")
     chosen = policy.meta.get("chosen", result.chosen)
     for c in [*result.baselines, result.tuned]:
         name = ("tuned" if c is result.tuned else c.name) + ("  <- written" if (
             (c is result.tuned and chosen == "tuned") or c.name == chosen) else "")
-        row = [name, f"{c.predicted_s * 1e3:.1f}", f"{ref / c.predicted_s:.2f}x", f"{c.error:.3f}",
-               "yes" if c.feasible else "no"]
-        if verified:
-            key = "tuned" if c is result.tuned else c.name
-            row.append(f"{verified[key]['measured_step_s'] * 1e3:.1f}" if key in verified else "")
-        table.add_row(*row)
+        table.add_row(name, f"{c.predicted_s * 1e3:.1f}", f"{ref / c.predicted_s:.2f}x",
+                      f"{c.error:.3f}", "yes" if c.feasible else "no")
     out.print(table)
+
+
+def print_verification(out: Any, meta: Mapping[str, Any]) -> None:
+    """The measured table of a verified policy's meta, and why the winner won (shared
+    with ``autotune show``)."""
+    report = meta.get("verified") or {}
+    summary = meta.get("verification") or {}
+    rows = {n: r for n, r in report.items() if not n.startswith("_") and isinstance(r, Mapping)}
+    if not rows:
+        return
+    ddp = (rows.get("stock:ddp") or rows.get("ddp") or {}).get("measured_step_s")
+    table = Table(title="measured on the live job, interleaved (median step of the slowest rank)")
+    for col in ("set-up", "kind", "measured ms", "vs plain DDP", "vs fastest (95% interval)",
+                "predicted ms", "error", "within budget"):
+        table.add_column(col, justify="left" if col in ("set-up", "kind") else "right")
+    for name, r in sorted(rows.items(), key=lambda kv: kv[1].get("measured_step_s", 0.0)):
+        mark = "  <- won" if name == summary.get("winner") else ""
+        if name == summary.get("emitted") and name != summary.get("winner"):
+            mark = "  <- written"
+        elif name == summary.get("emitted"):
+            mark = "  <- won, written"
+        interval = r.get("interval_vs_fastest")
+        error = r.get("error")
+        table.add_row(
+            name + mark, str(r.get("kind", "")), f"{r['measured_step_s'] * 1e3:.1f}",
+            f"{r['measured_step_s'] / ddp:.2f}x" if ddp else "",
+            f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "",
+            f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else "",
+            f"{error:.3f}" if error is not None else "",
+            "yes" if r.get("feasible") else "no",
+        )
+    out.print(table)
+    if summary.get("why"):
+        out.print(f"verdict: {summary['why']}", soft_wrap=True)

@@ -29,7 +29,7 @@ from autotune.errors import AutotuneError, ProfileError
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
-from autotune.probes.codecs import BASELINE_SPECS
+from autotune.presets import PRESETS
 from autotune.probes.profile import Profile
 from autotune.search.space import ErrorModel, SearchSpace
 
@@ -80,7 +80,8 @@ def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
     out = []
     policies = [(f"ddp{cap:g}mb" if cap != 25 else "ddp", Policy(bucket_cap_mb=cap))
                 for cap in (1.0, 5.0, 25.0, 100.0)]
-    policies += [(name, Policy.from_dict({"version": 1, "default": spec})) for name, spec in BASELINE_SPECS.items()]
+    # our equivalents of PyTorch's own hooks (autotune.presets)
+    policies += [(p.name, Policy.from_dict(p.policy())) for p in PRESETS if p.name != "ddp"]
     for name, policy in policies:
         try:
             err = errors.of(policy)

@@ -1,60 +1,144 @@
-"""``--verify``: measure the best candidates on the live job and choose by measurement.
+"""Verification: measure the best candidates and every preset on the live job, and
+emit what measured fastest.
 
-A prediction can be wrong; a few interleaved steps of each candidate on the real job
-cannot be (within noise). The top K tuned candidates and the best baselines run in one
-job, interleaved (A B C A B C ...), and the fastest median wins.
+The cost model prunes the search space to a few candidates; a measurement decides.
+The tuned policy and up to ``k - 1`` more candidates spread over the predicted
+error/time Pareto front run in one job, interleaved (A B C A B C ...), beside every
+preset a user could have picked (:mod:`autotune.presets`: plain DDP and PyTorch's own
+hooks, and our policy for the same method), in rounds, until a bootstrap interval
+separates the fastest from the runner-up or the time budget ends
+(:func:`autotune.trials.decide`). Only set-ups within the error budget may win; a tie
+goes to the simpler (plain DDP first, then the presets, then the candidates). When a
+preset wins, the emitted policy is our equivalent of it, and its meta says so.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Sequence
 
 from autotune.launch import Placement, launch
 from autotune.policies import Policy
+from autotune.presets import PRESETS
 from autotune.search.tuner import Candidate, TuneResult
+from autotune.trials import decide
 
-__all__ = ["candidates", "verify", "verify_result", "with_verification"]
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "verify_result"]
+
+DEFAULT_CANDIDATES = 4  # tuned candidates measured (besides the presets)
+DEFAULT_BUDGET_S = 60.0  # measurement time after which the best median so far wins
 
 
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
-    """The tuned policy, the next ``k - 1`` best distinct trials, and the two baselines
-    predicted fastest within the error budget."""
-    feasible = sorted((b for b in result.baselines if b.feasible), key=lambda b: b.predicted_s)
-    tuned = [Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)]
-    tuned += [c for c in result.top if c.policy.id != result.tuned.policy.id][: max(0, k - 1)]
-    return tuned + feasible[:2]
+    """The tuned policy and up to ``k - 1`` more distinct trials, spread over the
+    Pareto front of (predicted step time, error): fast-and-lossy to slow-and-exact, so
+    that a misprediction in one corner does not hide the other."""
+    tuned = Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)
+    pool = [c for c in result.top if c.policy.id != tuned.policy.id]
+    front = [c for c in pool if not any(
+        (o.predicted_s <= c.predicted_s and o.error <= c.error) and
+        (o.predicted_s < c.predicted_s or o.error < c.error) for o in pool)]
+    front.sort(key=lambda c: c.error)
+    want = max(0, k - 1)
+    if len(front) > want:
+        picks = [front[round(i * (len(front) - 1) / max(want - 1, 1))] for i in range(want)] if want else []
+        front = list(dict.fromkeys(picks))
+    rest = [c for c in sorted(pool, key=lambda c: c.predicted_s) if c not in front]
+    chosen = (front + rest)[:want]
+    return [tuned] + [Candidate(f"candidate{i + 2}", c.policy, c.predicted_s, c.error, True)
+                      for i, c in enumerate(chosen)]
+
+
+def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """What to measure, simplest first, and what is known of each."""
+    ours = {b.name: b for b in result.baselines}
+    setups: list[dict[str, Any]] = []
+    info: dict[str, dict[str, Any]] = {}
+    for p in PRESETS:
+        equivalent = ours.get(p.name)
+        stock = p.stock_setup(backend)
+        error = equivalent.error if equivalent is not None else (0.0 if p.name == "ddp" else None)
+        feasible = equivalent.feasible if equivalent is not None else p.name == "ddp"
+        if stock is not None:
+            setups.append(stock)
+            info[stock["name"]] = {"kind": "stock", "label": p.label, "error": error,
+                                   "feasible": feasible, "equivalent": p.name}
+    for b in result.baselines:  # our policies for the presets, and DDP's bucket sizes
+        setups.append({"name": b.name, "kind": "policy", "policy": b.policy.to_dict()})
+        info[b.name] = {"kind": "baseline", "error": b.error, "feasible": b.feasible,
+                        "predicted_step_s": b.predicted_s, "policy_id": b.policy.id}
+    for c in candidates(result, k):
+        setups.append({"name": c.name, "kind": "policy", "policy": c.policy.to_dict()})
+        info[c.name] = {"kind": "candidate", "error": c.error, "feasible": True,
+                        "predicted_step_s": c.predicted_s, "policy_id": c.policy.id}
+    return setups, info
 
 
 def verify_result(
-    result: TuneResult, k: int, workload: str, placement: Placement,
+    result: TuneResult, k: int, workload: str, placement: Placement, *,
+    budget_s: float = DEFAULT_BUDGET_S, backend: str = "gloo", block: int = 2,
+    min_rounds: int = 3, max_rounds: int = 40, timeout: float = 3600.0,
 ) -> tuple[Policy, dict[str, Any]]:
-    """Measure :func:`candidates` of ``result`` and return the winner's policy (with the
-    tuner's meta and the measurements) and the report."""
-    winner, report = verify(candidates(result, k), workload, placement)
-    return with_verification(result.policy, winner, report), report
+    """Measure the candidates of ``result`` and the presets; return the policy to emit
+    (with the tuner's meta and what was measured) and the report.
+
+    Args:
+        result: what :func:`~autotune.search.tuner.tune` found.
+        k: tuned candidates to measure (the tuned policy included).
+        workload: the workload spec the ranks train.
+        placement: where the ranks run (local ranks, an emulated cluster, or the
+            torchrun job itself through :func:`autotune.launch.launch`'s placement).
+        budget_s: measurement time after which the lowest median wins, separated or not.
+        backend: the job's backend (PyTorch's bf16 hook runs only on NCCL).
+        block: consecutive steps per set-up in a round.
+        min_rounds / max_rounds: rounds before the first separation test / at most.
+    """
+    setups, info = _setups(result, k, backend)
+    eligible = [s["name"] for s in setups if info[s["name"]]["feasible"]]
+    measured = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
+                      kwargs={"workload": workload, "setups": setups, "rounds": max_rounds,
+                              "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
+                              "separate": eligible})[0]
+    times = {r["name"]: r["step_s"] for r in measured["results"]}
+    decision = decide({n: times[n] for n in eligible}, eligible)
+    overall = decide(times, [s["name"] for s in setups])
+    winner = decision.winner
+    report: dict[str, Any] = {}
+    for s in setups:
+        name = s["name"]
+        entry = {**info[name], "measured_step_s": decision.medians.get(name, overall.medians[name]),
+                 "steps": len(times[name])}
+        if name in decision.intervals:
+            entry["interval_vs_fastest"] = list(decision.intervals[name])
+        report[name] = entry
+    emitted_name = info[winner].get("equivalent", winner)
+    ours = {b.name: b for b in result.baselines}
+    cands = {c.name: c for c in candidates(result, k)}
+    source = cands.get(emitted_name) or ours[emitted_name]
+    why = decision.reason
+    if info[winner]["kind"] == "stock":
+        why += (f"; emitted: our {emitted_name} policy, the same method as "
+                f"{info[winner]['label']} through autotune's hook")
+        ratio = report[emitted_name]["measured_step_s"] / report[winner]["measured_step_s"]
+        if ratio > 1.0:
+            why += f" (measured {ratio:.2f}x the stock set-up in this run)"
+    summary = {
+        "winner": winner, "emitted": emitted_name, "why": why,
+        "separated": decision.separated, "rounds": measured.get("rounds"),
+        "measure_s": measured.get("measure_s"), "budget_s": budget_s,
+        "fastest_overall": overall.fastest,
+        "fastest_overall_error": info[overall.fastest]["error"],
+    }
+    meta = dict(result.policy.meta)
+    meta.update(chosen=emitted_name, verified=report, verification=summary,
+                measured_step_s=report[emitted_name]["measured_step_s"],
+                predicted_step_s=source.predicted_s, error=source.error)
+    return Policy.from_dict({**source.policy.to_dict(), "meta": meta}), report | {"_summary": summary}
 
 
-def verify(
-    candidates: Sequence[Candidate], workload: str, placement: Placement,
-    rounds: int = 3, block: int = 3, timeout: float = 3600.0,
-) -> tuple[Candidate, dict[str, Any]]:
-    """Measure ``candidates`` and return the fastest, with every measurement."""
-    setups = [{"name": c.name, "kind": "policy", "policy": c.policy.to_dict()} for c in candidates]
-    result = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
-                    kwargs={"workload": workload, "setups": setups, "rounds": rounds,
-                            "block": block})[0]
-    medians = {r["name"]: statistics.median(r["step_s"]) for r in result["results"]}
-    best = min(candidates, key=lambda c: medians[c.name])
-    report = {c.name: {"measured_step_s": medians[c.name], "predicted_step_s": c.predicted_s,
-                       "policy_id": c.policy.id} for c in candidates}
-    return best, report
-
-
-def with_verification(policy: Policy, winner: Candidate, report: dict[str, Any]) -> Policy:
-    """The winner's policy, with the tuner's meta and the measurements."""
-    meta = dict(policy.meta)
-    meta.update(chosen=winner.name, verified=report,
-                measured_step_s=report[winner.name]["measured_step_s"],
-                predicted_step_s=winner.predicted_s, error=winner.error)
-    return Policy.from_dict({**winner.policy.to_dict(), "meta": meta})
+def fastest_presets(report: dict[str, Any], max_error: float | None = None) -> Sequence[tuple[str, float]]:
+    """(name, measured seconds) of the stock presets, fastest first; within
+    ``max_error`` only, if given."""
+    rows = [(n, r["measured_step_s"]) for n, r in report.items()
+            if not n.startswith("_") and r.get("kind") == "stock"
+            and (max_error is None or (r.get("error") is not None and r["error"] <= max_error))]
+    return sorted(rows, key=lambda x: x[1])

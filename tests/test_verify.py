@@ -1,0 +1,86 @@
+"""Verification: `autotune tune` measures its candidates beside plain DDP, PyTorch's own
+hooks and our policies for the same methods, and writes what measured fastest within
+the error budget; the adaptive measurement stops as it says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+from autotune.policies import load_policy
+from autotune.presets import PRESETS, preset
+
+
+def test_every_preset_has_a_stock_set_up_and_our_equivalent() -> None:
+    assert [p.name for p in PRESETS] == ["ddp", "fp16", "bf16", "powersgd1", "powersgd4"]
+    assert preset("bf16").stock_setup("gloo") is None  # PyTorch's bf16 hook needs NCCL
+    assert preset("bf16").stock_setup("nccl") == {"name": "stock:bf16", "kind": "hook", "hook": "bf16", "rank": 1}
+    assert preset("ddp").stock_setup() == {"name": "stock:ddp", "kind": "ddp"}
+    assert preset("powersgd4").policy()["default"] == {"compressor": "powersgd", "rank": 4}
+    with pytest.raises(KeyError, match="presets: ddp, fp16"):
+        preset("lz4")
+
+
+def test_measurement_stops_after_min_rounds_when_one_contender_is_left(run_ranks) -> None:
+    setups = [{"name": "ddp", "kind": "ddp"}, {"name": "floor", "kind": "floor"}]
+    result = run_ranks("autotune.measure:rank_measure", workload="mlp", setups=setups, rounds=10,
+                       block=2, warmup=1, min_rounds=2, separate=["ddp"])[0]
+    assert result["rounds"] == 2
+    assert [len(r["step_s"]) for r in result["results"]] == [4, 4]
+
+
+def test_measurement_ends_at_its_budget(run_ranks) -> None:
+    setups = [{"name": "ddp", "kind": "ddp"}, {"name": "fp16", "kind": "hook", "hook": "fp16"}]
+    result = run_ranks("autotune.measure:rank_measure", workload="mlp", setups=setups, rounds=50,
+                       block=1, warmup=1, min_rounds=3, budget_s=1e-6, separate=["ddp", "fp16"])[0]
+    assert result["rounds"] == 3  # the first look after min_rounds is already past the budget
+    assert all(len(r["step_s"]) == 3 for r in result["results"])
+
+
+@pytest.fixture(scope="module")
+def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("verify") / "profile.json"
+    assert main(["profile", "--workload", "mlp", "--nproc-per-node", "2", "--budget-s", "8",
+                 "--out", str(path)]) == 0
+    return path
+
+
+def test_tune_verifies_by_default_and_show_prints_what_was_measured(
+    mlp_profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "policy.json"
+    assert main(["tune", str(mlp_profile), "--out", str(out), "--trials", "20",
+                 "--verify-budget", "5"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "measured on the live job" in text and "verdict:" in text
+    meta = load_policy(out).meta
+    report, summary = meta["verified"], meta["verification"]
+    kinds = {r["kind"] for r in report.values()}
+    assert kinds == {"stock", "baseline", "candidate"}
+    assert {"stock:ddp", "stock:fp16", "stock:powersgd1", "stock:powersgd4"} <= set(report)
+    assert "stock:bf16" not in report  # needs NCCL
+    assert summary["winner"] in report and meta["chosen"] == summary["emitted"]
+    winner = report[summary["winner"]]
+    assert winner["feasible"]
+    # nothing within the budget measured faster than the winner beyond noise: every
+    # feasible rival's interval over the fastest is reported
+    for name, r in report.items():
+        if name not in (summary["winner"], summary.get("fastest_overall")) and r["feasible"]:
+            assert "interval_vs_fastest" in r
+    assert main(["show", str(out)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "measured on the live job" in shown and summary["winner"] in shown
+
+
+def test_no_verify_chooses_by_prediction(mlp_profile: Path, tmp_path: Path) -> None:
+    out = tmp_path / "policy.json"
+    assert main(["tune", str(mlp_profile), "--out", str(out), "--trials", "10", "--no-verify"]) == 0
+    assert "verified" not in load_policy(out).meta
+
+
+def test_a_bad_verify_budget_is_one_line(mlp_profile: Path, tmp_path: Path, capsys) -> None:
+    assert main(["tune", str(mlp_profile), "--out", str(tmp_path / "p.json"), "--verify-budget", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a number of seconds > 0" in err
