@@ -69,6 +69,15 @@ def test_tune_verifies_by_default_and_show_prints_what_was_measured(
     for name, r in report.items():
         if name not in (summary["winner"], summary.get("fastest_overall")) and r["feasible"]:
             assert "interval_vs_fastest" in r
+    accuracy = summary["model_accuracy"]
+    assert accuracy["median_ratio_error"] >= 0 and -1 <= accuracy["kendall_tau_all"] <= 1
+    # what was measured of our policies now calibrates the cost model
+    from autotune.probes.profile import load_profile
+
+    learned = [r for r in load_profile(mlp_profile).calibration["results"] if r.get("source") == "verify"]
+    ours = [r for r in report.values() if r["kind"] in ("baseline", "candidate")]
+    assert len(learned) == len({r["policy_id"] for r in ours})
+    assert "policy" not in winner  # the meta stays light: policies live in the profile
     assert main(["show", str(out)]) == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert "measured on the live job" in shown and summary["winner"] in shown

@@ -69,7 +69,8 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                              "policies for the same methods on the live job, interleaved, and "
                              "write the measured fastest within the error budget (a tie goes to "
                              f"the simpler) (default: {DEFAULT_CANDIDATES}; 0 or --no-verify: "
-                             "choose by prediction alone)")
+                             "choose by prediction alone). What it measures of our policies is "
+                             "added to the profile's calibration, which the cost model learns from")
     parser.add_argument("--no-verify", dest="verify", action="store_const", const=0,
                         help="choose by the cost model's prediction alone (no job is started)")
     parser.add_argument("--verify-budget", type=_positive_seconds, default=DEFAULT_BUDGET_S,
@@ -123,9 +124,30 @@ def cmd_tune(args: argparse.Namespace) -> int:
         policy, verified = _verify(args, profile, result, out)
     policy.save(args.out)
     _print(out, result, policy, verified)
+    if verified:
+        _learn(out, args.profile, profile, verified)
     out.print(f"wrote {args.out} (policy {policy.id}; {result.trials} trials in the study, "
               f"{result.wall_s:.1f} s)")
     return EXIT_OK
+
+
+def _learn(out: Any, path: Path, profile: Any, report: dict[str, Any]) -> None:
+    """Add what verification measured of our own policies to the profile's calibration,
+    which the cost model's residual is fitted on: every verification teaches the next
+    tune. The profile is rewritten atomically."""
+    from autotune.probes.profile import Profile
+    from autotune.search.verify import learned
+
+    data = profile.to_dict()
+    data["calibration"] = learned(dict(data.get("calibration") or {"results": []}), report)
+    Profile.from_dict(data, source=str(path)).save(path)
+    accuracy = report.get("_summary", {}).get("model_accuracy") or {}
+    line = f"added the verification's measurements to {path}'s calibration (the next tune fits on them)"
+    if accuracy:
+        tau = accuracy.get("kendall_tau_baselines")
+        line += (f"; the cost model's predicted ratio to DDP erred by {accuracy['median_ratio_error']:.1%} "
+                 "(median)" + (f", Kendall tau among the baselines {tau:.2f}" if tau is not None else ""))
+    out.print(line, soft_wrap=True)
 
 
 def _verify_job(args: argparse.Namespace, profile: Any) -> None:

@@ -22,7 +22,8 @@ from autotune.presets import PRESETS
 from autotune.search.tuner import Candidate, TuneResult
 from autotune.trials import decide
 
-__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "verify_result"]
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "model_accuracy",
+           "verify_result"]
 
 DEFAULT_CANDIDATES = 4  # tuned candidates measured (besides the presets)
 DEFAULT_BUDGET_S = 60.0  # measurement time after which the best median so far wins
@@ -48,6 +49,11 @@ def candidates(result: TuneResult, k: int) -> list[Candidate]:
                       for i, c in enumerate(chosen)]
 
 
+def _plain(policy: Policy) -> dict[str, Any]:
+    """Policy JSON without meta (what calibration stores)."""
+    return {k: v for k, v in policy.to_dict().items() if k != "meta"}
+
+
 def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """What to measure, simplest first, and what is known of each."""
     ours = {b.name: b for b in result.baselines}
@@ -65,11 +71,13 @@ def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, An
     for b in result.baselines:  # our policies for the presets, and DDP's bucket sizes
         setups.append({"name": b.name, "kind": "policy", "policy": b.policy.to_dict()})
         info[b.name] = {"kind": "baseline", "error": b.error, "feasible": b.feasible,
-                        "predicted_step_s": b.predicted_s, "policy_id": b.policy.id}
+                        "predicted_step_s": b.predicted_s, "policy_id": b.policy.id,
+                        "policy": _plain(b.policy)}
     for c in candidates(result, k):
         setups.append({"name": c.name, "kind": "policy", "policy": c.policy.to_dict()})
         info[c.name] = {"kind": "candidate", "error": c.error, "feasible": True,
-                        "predicted_step_s": c.predicted_s, "policy_id": c.policy.id}
+                        "predicted_step_s": c.predicted_s, "policy_id": c.policy.id,
+                        "policy": _plain(c.policy)}
     return setups, info
 
 
@@ -123,16 +131,58 @@ def verify_result(
             why += f" (measured {ratio:.2f}x the stock set-up in this run)"
     summary = {
         "winner": winner, "emitted": emitted_name, "why": why,
+        "model_accuracy": model_accuracy(report),
         "separated": decision.separated, "rounds": measured.get("rounds"),
         "measure_s": measured.get("measure_s"), "budget_s": budget_s,
         "fastest_overall": overall.fastest,
         "fastest_overall_error": info[overall.fastest]["error"],
     }
     meta = dict(result.policy.meta)
-    meta.update(chosen=emitted_name, verified=report, verification=summary,
+    light = {n: {k: v for k, v in r.items() if k != "policy"} for n, r in report.items()}
+    meta.update(chosen=emitted_name, verified=light, verification=summary,
                 measured_step_s=report[emitted_name]["measured_step_s"],
                 predicted_step_s=source.predicted_s, error=source.error)
     return Policy.from_dict({**source.policy.to_dict(), "meta": meta}), report | {"_summary": summary}
+
+
+def model_accuracy(report: dict[str, Any]) -> dict[str, Any]:
+    """How well the cost model ranked what verification measured: the error of each
+    predicted ratio to plain DDP (our ``ddp`` policy) against the measured one, and
+    Kendall's tau between predicted and measured times, among our preset policies and
+    among everything predicted."""
+    from scipy.stats import kendalltau
+
+    rows = {n: r for n, r in report.items() if not n.startswith("_") and r.get("predicted_step_s")}
+    if "ddp" not in rows or len(rows) < 3:
+        return {}
+    ref_pred, ref_meas = rows["ddp"]["predicted_step_s"], rows["ddp"]["measured_step_s"]
+    errors = sorted(abs((r["predicted_step_s"] / ref_pred) / (r["measured_step_s"] / ref_meas) - 1)
+                    for n, r in rows.items() if n != "ddp")
+    presets = [r for r in rows.values() if r["kind"] == "baseline"]
+
+    def tau(items: list[dict[str, Any]]) -> float | None:
+        if len(items) < 3:
+            return None
+        value = kendalltau([r["predicted_step_s"] for r in items], [r["measured_step_s"] for r in items])[0]
+        return None if value != value else float(value)  # NaN when all predictions tie
+
+    return {"median_ratio_error": errors[len(errors) // 2], "max_ratio_error": errors[-1],
+            "kendall_tau_baselines": tau(presets), "kendall_tau_all": tau(list(rows.values())),
+            "set_ups": len(rows)}
+
+
+def learned(calibration: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """The profile's calibration section with verification's measurements of our own
+    policies added (``source: "verify"``), so that the next fit of the cost model's
+    residual learns from them; an older measurement of the same policy is replaced."""
+    rows = [r for r in calibration.get("results", [])]
+    measured = {r["policy_id"]: r for r in report.values()
+                if isinstance(r, dict) and r.get("policy_id") and r.get("policy") is not None}
+    keep = [r for r in rows if not (r.get("source") == "verify" and r.get("policy_id") in measured)]
+    for policy_id, r in measured.items():
+        keep.append({"policy": r["policy"], "step_s": r["measured_step_s"], "source": "verify",
+                     "policy_id": policy_id})
+    return {**calibration, "results": keep}
 
 
 def fastest_presets(report: dict[str, Any], max_error: float | None = None) -> Sequence[tuple[str, float]]:
