@@ -21,7 +21,7 @@ from autotune.probes.codecs import (
 )
 from autotune.probes.compute import probe_compute
 from autotune.probes.run import BUDGET_SHARES, CAPTURE_STEPS
-from autotune.workloads import cnn, dlrm, mlp, transformer
+from autotune.workloads import Workload, cnn, dlrm, mlp, transformer
 
 SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (64, 32), "fc.bias": (64,),
           "fc2.weight": (64, 32)}
@@ -151,6 +151,69 @@ def test_distributed_share_is_combined_on_every_rank(run_ranks: Any) -> None:
                                       {"compressor": "topk"}]
     assert a["errors"] == b["errors"] and a["shapes"] == b["shapes"]
     assert len(a["errors"]) == 3 * len(SHAPES)
+
+
+# --- gradient structure: non-zero rows per step and rank -------------------------------
+
+
+def test_row_structure_is_measured_per_step_and_summarised() -> None:
+    table = [torch.zeros(1000, 8) for _ in range(3)]
+    for step, g in enumerate(table):  # 10, 20 and 40 rows touched
+        g[torch.randperm(1000, generator=torch.Generator().manual_seed(step))[:10 * 2**step]] = 1.0
+    vector = torch.tensor([0.0, 1.0, 0.0, float("nan")])  # a NaN is sent, so it counts
+    grads = {"emb.weight": table, "b": [vector] * 3, "w": [torch.randn(5, 3)] * 3}
+    out = probe_codecs(grads, world_size=2, grid=[{"compressor": "none"}], reps=1)
+    emb = out["structure"]["emb.weight"]
+    assert emb["row_density_max"] == 0.04 and emb["steps"] == 3 and emb["ranks"] == 1
+    assert emb["row_density_mean"] == pytest.approx(0.07 / 3)
+    assert emb["row_density_std"] == pytest.approx(torch.tensor([0.01, 0.02, 0.04]).std(
+        unbiased=False).item())
+    assert out["structure"]["b"] == {"row_density_mean": 0.5, "row_density_max": 0.5,
+                                     "row_density_std": 0.0, "steps": 3, "ranks": 1}
+    assert out["structure"]["w"]["row_density_max"] == 1.0
+
+
+EMBEDDING_ROWS = 2000
+TOUCHED = (20, 50)  # distinct rows each rank's batch looks up, every step
+
+
+def embedding_workload() -> Workload:
+    """An embedding bag and a linear head; rank r's batches touch exactly TOUCHED[r]
+    distinct rows of the table (different ones each step)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(EMBEDDING_ROWS, 8), nn.Linear(8, 1))
+
+    def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        ids = torch.randperm(EMBEDDING_ROWS, generator=gen)[:TOUCHED[rank]]
+        return ids, torch.randn(len(ids), 1, generator=gen)
+
+    return Workload(model, make_batch, torch.nn.functional.mse_loss, name="embedding")
+
+
+def rank_structure() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    _, grads = probe_compute(embedding_workload(), steps=3, warmup=1, capture=3)
+    return probe_codecs(grads, world_size=2, grid=[{"compressor": "none"}], reps=1,
+                        distribute=True)
+
+
+def test_the_structure_of_real_gradients_is_combined_over_ranks(run_ranks: Any) -> None:
+    a, b = run_ranks("test_probe_codecs:rank_structure")
+    assert a["structure"] == b["structure"]
+    table = a["structure"]["0.weight"]
+    lo, hi = (t / EMBEDDING_ROWS for t in TOUCHED)
+    # the busiest rank's share, the mean and spread over both ranks' three steps
+    assert table["row_density_max"] == hi
+    assert table["row_density_mean"] == pytest.approx((lo + hi) / 2)
+    assert table["row_density_std"] == pytest.approx((hi - lo) / 2)
+    assert (table["steps"], table["ranks"]) == (3, 2)
+    assert {a["structure"][n]["row_density_max"] for n in ("0.weight", "1.weight", "1.bias")} == {
+        hi, 1.0}
 
 
 # --- large tensors: measured on their rows --------------------------------------------

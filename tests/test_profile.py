@@ -186,6 +186,12 @@ def with_rows() -> dict[str, Any]:
         ],
         "sampling": {"above": 1048576, "numel": 262144, "min_live_rows": 64,
                      "representative": 0.1},
+        "structure": {
+            "emb.weight": {"row_density_mean": 0.0012, "row_density_max": 0.0015,
+                           "row_density_std": 0.0002, "steps": 4, "ranks": 2},
+            **{name: {"row_density_mean": 1.0, "row_density_max": 1.0, "row_density_std": 0.0,
+                      "steps": 4, "ranks": 2} for name in ("fc.weight", "fc.bias")},
+        },
     }
     return data
 
@@ -225,6 +231,22 @@ def _codecs_broken(path: list[Any], value: Any) -> dict[str, Any]:
         (["structure"], {"emb.weight": {"row_density_max": 1.5}},
          "codecs.structure['emb.weight'].row_density_max: expected a number >= 0 and <= 1"),
         (["structure"], {"emb.weight": 0.1}, "codecs.structure['emb.weight']: expected an object"),
+        (["structure", "emb.weight", "row_density_max"], KeyError,
+         "codecs.structure['emb.weight'].row_density_max: missing"),
+        (["structure", "emb.weight", "row_density_mean"], 0.002,
+         "codecs.structure['emb.weight'].row_density_mean: 0.002 is above row_density_max 0.0015"),
+        (["structure", "emb.weight", "row_density_mean"], -0.1,
+         "codecs.structure['emb.weight'].row_density_mean: expected a number >= 0 and <= 1"),
+        (["structure", "emb.weight", "row_density_std"], 0.7,
+         "codecs.structure['emb.weight'].row_density_std: expected a number >= 0 and <= 0.5"),
+        (["structure", "emb.weight", "row_density_std"], "wide",
+         "codecs.structure['emb.weight'].row_density_std: expected a number"),
+        (["structure", "emb.weight", "steps"], 0,
+         "codecs.structure['emb.weight'].steps: expected an integer >= 1"),
+        (["structure", "emb.weight", "ranks"], 3,
+         "codecs.structure['emb.weight'].ranks: expected an integer in [1, 2]"),
+        (["structure", "nosuch.weight"], {"row_density_max": 0.5},
+         "codecs.structure['nosuch.weight']: not a profiled parameter"),
     ],
 )
 def test_malformed_row_cells_are_rejected_naming_the_field(path: list[Any], value: Any, field: str) -> None:
@@ -255,3 +277,33 @@ def test_show_says_how_many_cells_were_extrapolated_and_how_many_are_missing(
     out = " ".join(capsys.readouterr().out.split())
     assert "codec probe stopped at its time budget: 3 cells missing (sign not measured)" in out
     assert "extrapolated" not in out
+
+
+def test_show_lists_the_row_sparse_gradients_or_says_all_are_dense(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "rows.json"
+    Profile.from_dict(with_rows()).save(path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    table = out.split("row-sparse gradients")[1]
+    row = next(line for line in table.splitlines() if "emb.weight" in line)
+    assert [cell.strip() for cell in row.split("│")[1:-1]] == [
+        "emb.weight", "400000x16", "0.12%", "0.15%", "0.02%"]  # mean, busiest, spread
+    assert "fc.weight" not in table
+    assert "share of rows holding a non-zero value, over 4 steps x 2 rank(s)" in " ".join(
+        table.split()) and "2 dense" in table
+    # every gradient dense: one line; a profile from before the measurement: nothing
+    data = with_rows()
+    data["codecs"]["structure"]["emb.weight"].update(
+        row_density_mean=0.9, row_density_max=0.95, row_density_std=0.01)
+    Profile.from_dict(data).save(path)
+    assert main(["show", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gradient rows: all 3 gradients measured are dense" in out
+    assert "row-sparse" not in out
+    del data["codecs"]["structure"]
+    Profile.from_dict(data).save(path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "gradient rows" not in out and "row-sparse" not in out

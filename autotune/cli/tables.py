@@ -40,6 +40,7 @@ def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
     _network(console, profile)
     _compute(console, profile, top)
     _codecs(console, profile)
+    _structure(console, profile, top)
     cal = profile.calibration.get("results", [])
     if cal:
         steps = sorted(r["step_s"] for r in cal)
@@ -165,6 +166,47 @@ def _codecs(console: Console, profile: Profile) -> None:
         console.print(f"[yellow]codec probe stopped at its time budget: {coverage['missing']} "
                       f"cells missing{' (' + skipped + ' not measured)' if skipped else ''}"
                       "[/yellow]")
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%"
+
+
+def _structure(console: Console, profile: Profile, top: int) -> None:
+    """The row-sparse gradients the codec probe found (profiles before it measured
+    them: nothing)."""
+    from autotune.probes.codecs import ROW_SPARSE_BELOW
+
+    structure = profile.codecs.get("structure")
+    if not structure:
+        return
+    shapes = {p["name"]: p["shape"] for p in profile.compute["params"]}
+    sparse = sorted((name for name, s in structure.items()
+                     if s["row_density_max"] < ROW_SPARSE_BELOW),
+                    key=lambda n: -_numel({"shape": shapes.get(n, [])}))
+    if not sparse:
+        console.print(f"gradient rows: all {len(structure)} gradients measured are dense (the "
+                      f"busiest rank's has non-zero values in >= {_percent(ROW_SPARSE_BELOW)} "
+                      "of its rows)")
+        return
+    first = structure[sparse[0]]
+    over = f"{first.get('steps', '?')} steps x {first.get('ranks', '?')} rank(s)"
+    table = Table(title="row-sparse gradients", title_justify="left")
+    for col in ("parameter", "shape", "mean", "busiest", "spread"):
+        table.add_column(col, justify="left" if col == "parameter" else "right")
+    for name in sparse[:top]:
+        s = structure[name]
+        mean, std = s.get("row_density_mean"), s.get("row_density_std")
+        table.add_row(Text(name), "x".join(map(str, shapes.get(name, []))),
+                      _percent(mean) if mean is not None else "",
+                      _percent(s["row_density_max"]),
+                      _percent(std) if std is not None else "")
+    console.print(table)
+    rest = len(sparse) - top
+    console.print(f"[dim]share of rows holding a non-zero value, over {over}: 'busiest' "
+                  "(the most any rank had in a step) sizes rowsparse's messages, 'spread' is "
+                  f"the standard deviation; {f'{rest} more row-sparse, ' if rest > 0 else ''}"
+                  f"{len(structure) - len(sparse)} dense[/dim]")
 
 
 def codec_coverage(profile: Profile) -> dict[str, Any]:

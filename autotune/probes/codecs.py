@@ -48,6 +48,14 @@ Encode+decode time on a row sample is scaled by ``numel / sample numel``: every 
 work is linear in the elements (casts, int8, sign, top-k's selection and scatter), or in
 ``rows * cols * rank`` for PowerSGD, where a row sample keeps ``cols`` and the rank.
 Each cell says how it was measured (``measured``, and ``sample`` with the rows used).
+
+**Gradient structure.** Per parameter, the fraction of its rows (first dimension; a 1-D
+tensor's elements) that hold a non-zero value, on every captured step of every rank:
+``structure[name] = {"row_density_mean", "row_density_max", "row_density_std", "steps",
+"ranks"}``, over the ``steps x ranks`` values (``std``: their population spread).
+``row_density_max`` is what the busiest rank sends in the busiest step, which sizes the
+messages of ``rowsparse`` (it sends every rank's non-zero rows, padded to the busiest
+rank's count).
 """
 
 from __future__ import annotations
@@ -76,10 +84,12 @@ __all__ = [
     "DEFAULT_GRID",
     "MIN_LIVE_ROWS",
     "REPRESENTATIVE",
+    "ROW_SPARSE_BELOW",
     "SAMPLE_ABOVE",
     "SAMPLE_NUMEL",
     "RowPlan",
     "probe_codecs",
+    "row_density",
     "row_plan",
 ]
 
@@ -125,6 +135,9 @@ MIN_LIVE_ROWS = 64
 # would send differ by at most this fraction. This catches PowerSGD on too few rows: its
 # bytes per element grow like 1/rows, and its error falls with them.
 REPRESENTATIVE = 0.1
+# A parameter whose busiest rank leaves more than half of its gradient's rows zero is
+# row-sparse: the search gives it rowsparse as an option, `autotune show` lists it.
+ROW_SPARSE_BELOW = 0.5
 # Compressors that act on each element alone: what they do to a row does not depend on
 # the other rows, so a tensor's live rows alone give its exact error.
 _ELEMENTWISE = frozenset({"none", "fp16", "bf16"})
@@ -233,6 +246,35 @@ def row_plan(
         return None  # neither the live rows nor a sample would save much
     return RowPlan(rows=rows, live=live, sample=sample, sampled_live=sampled_live,
                    energy_ratio=ratio)
+
+
+def row_density(grad: Tensor) -> float | None:
+    """The fraction of ``grad``'s rows (first dimension; a 1-D tensor's elements) that
+    hold a non-zero value, as ``rowsparse`` counts them (a NaN row is sent too); None
+    for an empty tensor."""
+    if grad.numel() == 0:
+        return None
+    rows = int(grad.shape[0]) if grad.dim() else 1
+    live = grad.detach().reshape(rows, -1).ne(0).any(dim=1)
+    return int(live.sum()) / rows
+
+
+def _structure(per_rank: Sequence[Mapping[str, Sequence[float | None]]]) -> dict[str, Any]:
+    """``codecs.structure`` from each rank's per-step row densities."""
+    out: dict[str, Any] = {}
+    for name in per_rank[0]:
+        values = [d for rank in per_rank for d in rank.get(name, ()) if d is not None]
+        if not values:
+            continue
+        out[name] = {
+            "row_density_mean": statistics.fmean(values),
+            # the busiest rank in the busiest step: what rowsparse pads every rank's rows to
+            "row_density_max": max(values),
+            "row_density_std": statistics.pstdev(values),
+            "steps": max(len(rank.get(name, ())) for rank in per_rank),
+            "ranks": len(per_rank),
+        }
+    return out
 
 
 def _stands_for(comp: compressors.Compressor, shape: tuple[int, ...], rows: int,
@@ -465,16 +507,18 @@ def probe_codecs(
             ``1/sqrt(sample_numel)``); the probe's time grows in proportion.
 
     Returns:
-        ``{"world_size", "grid", "skipped", "shapes", "errors", "truncated", "sampling",
-        "wall_s"}``: ``grid`` the configurations measured; ``shapes`` one row per
-        configuration and distinct shape (``encode_decode_s``, ``wire_bytes``,
+        ``{"world_size", "grid", "skipped", "shapes", "errors", "structure",
+        "truncated", "sampling", "wall_s"}``: ``grid`` the configurations measured;
+        ``shapes`` one row per configuration and distinct shape (``encode_decode_s``, ``wire_bytes``,
         ``wire_messages``, ``measured``: ``"full"``, or ``"sample"`` for a row
         sample's time scaled, with ``sample``: the parameter, rows, numel and time of
         the sample); ``errors`` one row per configuration and parameter
         (``rel_error``, ``rel_error_steps``, ``cum_error``, ``cum_error_steps``, see
         the module doc; ``measured``: ``"full"``, ``"live_rows"`` or ``"sample"``, with
         ``sample``: rows, of_rows, numel and for a sample its live rows and energy
-        ratio); ``sampling`` the thresholds used.
+        ratio); ``structure`` per parameter the row densities of its gradients over
+        the steps and ranks (see the module doc; ``ranks`` is 1 without
+        ``distribute``); ``sampling`` the thresholds used.
 
     Raises:
         ProfileError: no gradients, ragged steps, a bad world size, ``reps`` or
@@ -507,6 +551,9 @@ def probe_codecs(
             plan = row_plan(name, gs, sample_above, sample_numel)
             if plan is not None:
                 plans[name] = plan
+
+    # what this rank's gradients look like: non-zero rows per step (a pass per tensor)
+    densities = {name: [row_density(g) for g in gs] for name, gs in grads.items()}
 
     rank, ranks = 0, 1
     if distribute and dist.is_available() and dist.is_initialized():
@@ -551,6 +598,7 @@ def probe_codecs(
     part: dict[str, Any] = {
         "done": {str(i): {"shapes": s, "errors": e} for i, (s, e) in done.items()},
         "skipped": skipped,
+        "densities": densities,
     }
     parts = _all_gather_json(part, group) if ranks > 1 else [part]
     measured: dict[int, dict[str, Any]] = {}
@@ -577,6 +625,8 @@ def probe_codecs(
         # the error of the whole gradient
         "grad_norms": {name: float(sum(float(g.float().norm()) for g in gs) / len(gs))
                        for name, gs in grads.items()},
+        # per parameter, its gradient's non-zero rows over every rank's captured steps
+        "structure": _structure([p["densities"] for p in parts]),
         "truncated": bool(all_skipped),
         "sampling": {"above": sample_above, "numel": sample_numel,
                      "min_live_rows": MIN_LIVE_ROWS, "representative": REPRESENTATIVE},

@@ -275,12 +275,23 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
             v.integer(sample, f"{path}.sample.rows", low=1, high=of_rows)
             v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
             v.optional(sample, f"{path}.sample.energy_ratio", v.number, low=0.0, high=MAX_RATIO)
+    # gradient structure: absent in profiles from before it was measured
     structure = v.optional(codecs, "codecs.structure", v.obj) or {}
     for name, entry in structure.items():  # keys are parameter names, which hold dots
         path = f"codecs.structure[{name!r}]"
+        if name not in names:
+            _fail(source, path, f"not a profiled parameter (compute.params has no {name!r})")
         v.is_obj(entry, path)
-        if entry.get("row_density_max") is not None:  # what the cost model reads
-            v.value(entry["row_density_max"], f"{path}.row_density_max", low=0.0, high=1.0)
+        # fractions of rows; the cost model reads the busiest rank's, the others describe
+        most = v.number(entry, f"{path}.row_density_max", low=0.0, high=1.0)
+        mean = v.optional(entry, f"{path}.row_density_mean", v.number, low=0.0, high=1.0)
+        if mean is not None and mean > most + 1e-9:
+            _fail(source, f"{path}.row_density_mean",
+                  f"{mean:g} is above row_density_max {most:g}: a mean cannot exceed the maximum")
+        # the population spread of values in [0, 1] is at most 1/2
+        v.optional(entry, f"{path}.row_density_std", v.number, low=0.0, high=0.5)
+        v.optional(entry, f"{path}.steps", v.integer, low=1)
+        v.optional(entry, f"{path}.ranks", v.integer, low=1, high=world)
     sampling = v.optional(codecs, "codecs.sampling", v.obj) or {}
     v.optional(sampling, "codecs.sampling.above", v.integer, low=1)
     v.optional(sampling, "codecs.sampling.numel", v.integer, low=1)
