@@ -4,6 +4,16 @@ Each block of ``block`` elements is scaled by its largest magnitude and every el
 is rounded to one of 127 levels per sign at random, up or down with the probabilities
 that make the result unbiased (Alistarh et al. 2017). Unbiased, so no error feedback.
 
+Rounding noise: ``floor(y + u)`` with ``u`` uniform in [0, 1) rounds ``y`` up with
+probability ``frac(y)``. Drawing ``u`` per element with ``torch.rand`` costs about six
+memcpys of the gradient on a CPU, so ``u`` is read instead from a fixed table of
+:data:`NOISE_TABLE` values ``(b + 0.5) / 256``, every byte ``b`` equally often (a
+seeded shuffle), at a random circular offset drawn per chunk of :data:`CHUNK` elements
+from the (seed, rank, step, name) generator. Each element's ``u`` is then uniform over
+the 256 values, so the rounding is unbiased to within 1/512 of a level, and independent
+between steps and ranks (offsets differ); within a chunk, elements get distinct table
+entries. Everything runs chunk by chunk in cache, with no full-size temporary.
+
 Collective: **all_gather**, not allreduce. Ranks quantise with their own scales, and a
 sum of int8 codes from W ranks would overflow 8 bits; summing in a wider type would send
 as many bytes as fp16 or fp32. So each rank sends ``numel`` int8 codes plus a 4-byte
@@ -25,6 +35,8 @@ from autotune.errors import CompressorError
 __all__ = ["Int8"]
 
 LEVELS = 127  # magnitude levels per sign that fit in int8
+CHUNK = 1 << 18  # elements encoded or decoded per step (1 MB of fp32: stays in cache)
+NOISE_TABLE = CHUNK  # rounding-noise values in the table (a multiple of 256)
 
 
 @register
@@ -44,6 +56,10 @@ class Int8(Compressor):
         # reductions done per parameter name: with the seed and rank it fixes the
         # rounding noise, so a resumed or regrouped run draws exactly the same noise
         self.steps: dict[str, int] = {}
+        # derived, not state: the noise table (twice over, for windows that wrap) and
+        # the encoder's scratch buffers, per device
+        self._tables: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _blocks(self, n: int) -> int:
         return math.ceil(n / self.config["block"])
@@ -60,35 +76,96 @@ class Int8(Compressor):
         key = f"{self.config['seed']}/{rank}/{step}/{name}".encode()
         return torch.Generator(device=device).manual_seed(zlib.crc32(key) * 65_537 + step)
 
-    def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
+    def _table(self, length: int, device: torch.device) -> torch.Tensor:
+        """128 + the noise table, twice over: any window of ``length`` starting in the
+        first copy is a circular window of the table."""
+        size = max(NOISE_TABLE, -(-length // 256) * 256)
+        table = self._tables.get(str(device))
+        if table is None or table.numel() < 2 * size:
+            gen = torch.Generator().manual_seed(self.config["seed"])
+            byte = torch.arange(256).repeat(size // 256)[torch.randperm(size, generator=gen)]
+            one = (byte.float() + 0.5) / 256 + 128  # +128: values to truncate are positive
+            table = self._tables[str(device)] = torch.cat([one, one]).to(device)
+        return table
+
+    def _pieces(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, blocks, width): the tensor cut into chunks of whole blocks, then the
+        last, partial block."""
         block = self.config["block"]
-        codes, scales, layout = [], [], []
-        for t, name in zip(tensors, names):
-            x = t.detach().reshape(-1).float()
-            n = x.numel()
-            nb = self._blocks(n)
-            padded = torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block)
-            scale = padded.abs().amax(dim=1, keepdim=True)
-            level = padded.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny) * LEVELS
-            gen = self._generator(name, comm.rank, level.device)
-            noise = torch.rand(level.shape, generator=gen, device=level.device)
-            q = torch.floor(level + noise).clamp_(max=LEVELS) * torch.sign(padded)
-            codes.append(q.view(-1)[:n].to(torch.int8))
-            scales.append(scale.view(-1))
-            layout.append((n, nb))
-        n_codes = sum(c.numel() for c in codes)
-        payload = torch.cat([torch.cat(codes), torch.cat(scales).view(torch.int8)])
-        gathered = comm.all_gather(payload)  # (W, n_codes + 4 * blocks)
-        all_codes = gathered[:, :n_codes].float()
-        all_scales = gathered[:, n_codes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        full = n // block
+        per = max(1, CHUNK // block)
+        out = [(b * block, min(per, full - b), block) for b in range(0, full, per)]
+        if n % block:
+            out.append((full * block, 1, n % block))
+        return out
+
+    def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
+        device = tensors[0].device
+        sizes = [t.numel() for t in tensors]
+        n_codes = sum(sizes)
+        n_blocks = sum(self._blocks(n) for n in sizes)
+        payload = torch.empty(n_codes + 4 * n_blocks, dtype=torch.int8, device=device)
+        scales = torch.empty(n_blocks, dtype=torch.float32, device=device)
         c_off = s_off = 0
-        for t, (n, nb) in zip(tensors, layout):
-            c = torch.nn.functional.pad(all_codes[:, c_off : c_off + n], (0, nb * block - n))
-            s = all_scales[:, s_off : s_off + nb]
-            avg = (c.view(-1, nb, block) * s.unsqueeze(-1)).sum(0).view(-1)[:n]
-            t.copy_((avg / (LEVELS * comm.world_size)).view_as(t))
+        for t, name, n in zip(tensors, names, sizes):
+            nb = self._blocks(n)
+            self._encode(t, name, comm.rank, payload[c_off : c_off + n], scales[s_off : s_off + nb])
             c_off += n
             s_off += nb
+        payload[n_codes:] = scales.view(torch.int8)
+        gathered = comm.all_gather(payload)  # (W, n_codes + 4 * blocks)
+        # scaled once per block: the average is sum_w code_w * scale_w / (LEVELS * W)
+        all_scales = gathered[:, n_codes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        all_scales.div_(LEVELS * comm.world_size)
+        c_off = s_off = 0
+        for t, n in zip(tensors, sizes):
+            direct = t.dtype == torch.float32 and t.is_contiguous()
+            out = t.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=device)
+            for start, blocks, width in self._pieces(n):
+                b0 = s_off + start // self.config["block"]
+                part = out[start : start + blocks * width].view(blocks, width)
+                for w in range(comm.world_size):
+                    codes = gathered[w, c_off + start : c_off + start + blocks * width].view(blocks, width)
+                    scale = all_scales[w, b0 : b0 + blocks].unsqueeze(1)
+                    if w == 0:
+                        torch.mul(codes, scale, out=part)
+                    else:
+                        part.addcmul_(codes, scale)
+            if not direct:
+                t.copy_(out.view_as(t))
+            c_off += n
+            s_off += self._blocks(n)
+
+    def _encode(self, t: torch.Tensor, name: str, rank: int, codes: torch.Tensor,
+                scales: torch.Tensor) -> None:
+        """Quantise ``t`` into ``codes`` (int8, numel) and ``scales`` (fp32, blocks)."""
+        x = t.detach().reshape(-1)
+        if x.dtype != torch.float32:
+            x = x.float()
+        n = x.numel()
+        pieces = self._pieces(n)
+        longest = max(blocks * width for _, blocks, width in pieces)
+        table = self._table(longest, x.device)
+        period = table.numel() // 2
+        scratch = self._scratch.get(str(x.device))
+        if scratch is None or scratch[0].numel() < longest:
+            scratch = (torch.empty(longest, dtype=torch.float32, device=x.device),
+                       torch.empty(longest, dtype=torch.int32, device=x.device))
+            self._scratch[str(x.device)] = scratch
+        gen = self._generator(name, rank, x.device)
+        offsets = torch.randint(period, (len(pieces),), generator=gen, device=x.device).tolist()
+        tiny = torch.finfo(torch.float32).tiny
+        for (start, blocks, width), offset in zip(pieces, offsets):
+            size = blocks * width
+            xb = x[start : start + size].view(blocks, width)
+            scale = torch.maximum(xb.amax(1), xb.amin(1).neg_())
+            scales[start // self.config["block"] :][:blocks] = scale
+            # level + 128 + noise, in (1, 256): truncation is then floor(level + u) + 128
+            level = torch.addcmul(table[offset : offset + size].view(blocks, width), xb,
+                                  LEVELS / scale.clamp_min(tiny).unsqueeze(1),
+                                  out=scratch[0][:size].view(blocks, width))
+            whole = scratch[1][:size].copy_(level.view(-1)).sub_(128)
+            codes[start : start + size] = whole
 
     def release(self, name: str) -> torch.Tensor | None:
         self.steps.pop(name, None)
