@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ class Int8(Compressor):
     outlier only inflates its own block's scale) at 4 bytes per block."""
 
     name = "int8"
-    collectives: tuple[Collective, ...] = ("allgather",)
+    collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
     params = {
         "block": Param(int, 1024, low=8, high=2**24, doc="elements sharing one scale"),
         "seed": Param(int, 0, low=0, high=2**31 - 1, doc="seed of the rounding noise (offset by rank)"),

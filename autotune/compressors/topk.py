@@ -41,7 +41,7 @@ Indices stay in ascending order, so that decoding sweeps the output forwards.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -66,7 +66,7 @@ class TopK(Compressor):
     feedback; below 0.001 convergence usually slows."""
 
     name = "topk"
-    collectives: tuple[Collective, ...] = ("allgather",)
+    collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
     params = {
         "ratio": Param(float, 0.01, low=0.0, high=1.0, low_open=True, doc="fraction of elements sent"),
         "error_feedback": Param(bool, True, doc="add back what the last step dropped"),
