@@ -116,6 +116,24 @@ def test_local_comm_simulates_identical_ranks() -> None:
     assert comm.sent["allgather"] == comp.wire_bytes((ROWS, COLS), 4, density=3 / ROWS)
 
 
+def test_a_row_is_sent_when_any_value_is_non_zero_however_small_or_not_finite() -> None:
+    # more rows than one chunk of the scan, so the rows found span chunks
+    rows = 200_000
+    g = torch.zeros(rows, COLS)
+    g[3, 5] = 2.0**-140  # a subnormal (whose half is exact)
+    g[10, 0] = -0.0  # zero: not sent
+    g[70_000, 15] = float("nan")
+    g[150_000, 2] = float("-inf")
+    g[199_999] = 1.0
+    out, comm = g.clone(), LocalComm(2)
+    comp = compressors.create("rowsparse")
+    comp.reduce([out], ["emb"], comm)
+    assert comm.sent["allgather"] == comp.wire_bytes((rows, COLS), 2, density=4 / rows)
+    finite = torch.isfinite(g).all(dim=1)
+    assert torch.equal(out[finite], g[finite])
+    assert out[70_000, 15].isnan() and out[150_000, 2] == float("-inf")
+
+
 def test_values_must_be_a_known_precision() -> None:
     with pytest.raises(CompressorError, match="'values' parameter of rowsparse must be one of"):
         compressors.create("rowsparse", values="int4")
