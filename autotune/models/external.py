@@ -10,11 +10,13 @@ compressor for each ratio, its real collective and an encode/decode cost:
   and index); each rank selects its own coordinates, so it needs an all_gather, whose
   traffic grows with the number of workers — the effect Agarwal et al. (2022) measured.
 
-Encode/decode times on the GPU are not measured here (no GPU in this profile), so they
-come from a bandwidth model with stated constants (:data:`V100`): each method's passes
-over its data at the memory bandwidth a V100 sustains, top-k's selection as several
-passes, and the decode of W payloads for all_gather methods. Change the constants to
-ask "what if the codec were N times cheaper".
+Encode/decode times: measured ones where there are, from ``bench/codec_throughput.py``
+(its JSON, ``--device cuda`` for a GPU: :class:`MeasuredCodecCosts`); the Zhang profile
+itself has none. Without a measurement they come from a bandwidth model with stated
+constants (:data:`V100`, the fallback and the default): each method's passes over its
+data at the memory bandwidth a V100 sustains, top-k's selection as several passes, and
+the decode of W payloads for all_gather methods. Change the constants to ask "what if
+the codec were N times cheaper".
 
 Collectives use the paper's ring cost: ``S*8*(N-1)/N / B`` per phase plus ``(N-1)``
 vector additions of ``S/N`` bytes for the reduce-scatter; all_gather is ``(N-1)*S*8/B``.
@@ -22,15 +24,34 @@ vector additions of ``S/N`` bytes for the reduce-scatter; all_gather is ``(N-1)*
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from autotune.compressors import CompressorSpec
+from autotune.errors import ProfileError
+from autotune.jsonio import read_json
 from autotune.models.simulator import ComputeTimes, ParamTiming, simulate
 from autotune.models.zhang2020 import VecAddModel, Zhang2020Profile
 from autotune.policies import Policy
 
-__all__ = ["GpuCodecCosts", "V100", "compute_from_zhang", "compressor_for_ratio", "full_model"]
+__all__ = [
+    "CodecCosts",
+    "GpuCodecCosts",
+    "MeasuredCodecCosts",
+    "V100",
+    "compute_from_zhang",
+    "compressor_for_ratio",
+    "full_model",
+]
+
+
+class CodecCosts(Protocol):
+    """Encode+decode seconds of one tensor of ``numel`` fp32 elements under ``spec``,
+    in a job of ``world`` ranks."""
+
+    def seconds(self, spec: CompressorSpec, numel: int, world: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +64,117 @@ class GpuCodecCosts:
     topk_passes: float = 12.0  # selection (radix select is several passes) + gather/scatter
 
 
+    def seconds(self, spec: CompressorSpec, numel: int, world: int) -> float:
+        n = numel
+        if spec.name == "none":
+            return 0.0
+        if spec.name in ("fp16", "bf16"):
+            return self.launch_s + self.cast_passes * 4 * n / self.memory_Bps
+        if spec.name == "topk":
+            k = max(1, int(spec.canonical().kwargs["ratio"] * n))
+            select = self.topk_passes * 4 * n / self.memory_Bps
+            decode = world * 8 * k / self.memory_Bps + 4 * n / self.memory_Bps  # scatter-add W
+            return 2 * self.launch_s + select + decode
+        raise ValueError(f"no GPU cost assumption for {spec.name!r}")
+
+
 V100 = GpuCodecCosts()
+
+
+@dataclass(frozen=True)
+class CodecFit:
+    """Measured encode+decode seconds of one configuration as
+    ``fixed_s + per_mb_s * MB + per_mb_rank_s * MB * world`` (MB of fp32 gradient)."""
+
+    spec: CompressorSpec  # canonical
+    fixed_s: float  # per tensor, whatever its size (kernel launches, Python)
+    per_mb_s: float  # per MB of gradient: encode, and what decode costs once
+    per_mb_rank_s: float  # per MB and rank: decoding W payloads (0 if measured at one W)
+
+    def seconds(self, numel: int, world: int) -> float:
+        mb = 4 * numel / 2**20
+        return self.fixed_s + mb * (self.per_mb_s + self.per_mb_rank_s * world)
+
+
+@dataclass(frozen=True)
+class MeasuredCodecCosts:
+    """Encode+decode costs measured by ``bench/codec_throughput.py``.
+
+    Per configuration measured, a non-negative least-squares fit of its seconds against
+    size and world size (:class:`CodecFit`; the term in W needs two world sizes, e.g.
+    ``--world-size 2 8``). A spec that was not measured takes the fit of the same
+    method's nearest measured configuration: top-k by ratio (log distance: its cost
+    depends little on the ratio, selection being a threshold pass), PowerSGD by rank,
+    anything else by name. A method not measured at all raises ``ValueError``.
+    """
+
+    device: str  # where the codecs ran ("cuda", "cpu")
+    device_name: str
+    fits: tuple[CodecFit, ...]
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str], device: str = "cuda") -> MeasuredCodecCosts:
+        """Read the benchmark's JSON; ``device`` must be the one it measured on.
+
+        Raises:
+            ProfileError: unreadable or malformed file, another device, no rows.
+        """
+        data = read_json(path, ProfileError, "codec throughput results")
+        where = data.get("device") if isinstance(data, dict) else None
+        if where != device:
+            raise ProfileError(f"{path}: codec costs measured on {where!r}, not {device!r} "
+                               f"(run bench/codec_throughput.py --device {device})")
+        points: dict[CompressorSpec, list[tuple[float, int, float]]] = {}
+        try:
+            for row in data["rows"]:
+                spec = CompressorSpec.from_dict(row["spec"]).canonical()
+                mb = 4 * int(row["numel"]) / 2**20
+                points.setdefault(spec, []).append((mb, int(row["world_size"]), float(row["codec_s"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{path}: malformed codec throughput row: {exc}") from exc
+        if not points:
+            raise ProfileError(f"{path}: no codec measurements")
+        fits = tuple(_fit(spec, pts) for spec, pts in points.items())
+        return cls(device=device, device_name=str(data.get("device_name", "")), fits=fits)
+
+    def fit_for(self, spec: CompressorSpec) -> CodecFit:
+        """The fit used for ``spec`` (see the class docstring)."""
+        spec = spec.canonical()
+        same = [f for f in self.fits if f.spec.name == spec.name]
+        if not same:
+            measured = sorted({f.spec.name for f in self.fits})
+            raise ValueError(f"no measured codec cost for {spec.name!r}; measured: {', '.join(measured)}")
+        for f in same:
+            if f.spec == spec:
+                return f
+        key = {"topk": "ratio", "powersgd": "rank"}.get(spec.name)
+        if key is None:
+            return same[0]
+        want = math.log(spec.kwargs[key])
+        return min(same, key=lambda f: abs(math.log(f.spec.kwargs[key]) - want))
+
+    def seconds(self, spec: CompressorSpec, numel: int, world: int) -> float:
+        return self.fit_for(spec).seconds(numel, world)
+
+
+def _fit(spec: CompressorSpec, points: list[tuple[float, int, float]]) -> CodecFit:
+    """Non-negative least squares of seconds on [1, MB, MB * W] (fewer terms where the
+    points cannot tell them apart)."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    mb = np.array([p[0] for p in points])
+    world = np.array([p[1] for p in points], dtype=float)
+    secs = np.array([p[2] for p in points])
+    columns = [np.ones_like(mb), mb, mb * world]
+    use = [len(set(mb.tolist())) > 1, True, len(set(world.tolist())) > 1]
+    x = np.stack([c for c, u in zip(columns, use) if u], axis=1)
+    # relative errors matter: weight each point by 1 / its time
+    weight = 1.0 / np.maximum(secs, 1e-12)
+    coef, _ = nnls(x * weight[:, None], secs * weight)
+    full = iter(coef.tolist())
+    fixed, per_mb, per_rank = (next(full) if u else 0.0 for u in use)
+    return CodecFit(spec=spec, fixed_s=fixed, per_mb_s=per_mb, per_mb_rank_s=per_rank)
 
 
 def compute_from_zhang(profile: Zhang2020Profile) -> ComputeTimes:
@@ -67,21 +198,13 @@ def compressor_for_ratio(ratio: float) -> CompressorSpec:
     return CompressorSpec.of("topk", ratio=1.0 / (2.0 * ratio))
 
 
-def _codec_time(costs: GpuCodecCosts) -> Any:
-    def time(spec: CompressorSpec, shape: tuple[int, ...], world: int) -> float:
+def _codec_time(costs: CodecCosts) -> Any:
+    def time(spec: CompressorSpec, shape: tuple[int, ...], world: int,
+             density: float | None = None) -> float:
         n = 1
         for d in shape:
             n *= d
-        if spec.name == "none":
-            return 0.0
-        if spec.name in ("fp16", "bf16"):
-            return costs.launch_s + costs.cast_passes * 4 * n / costs.memory_Bps
-        if spec.name == "topk":
-            k = max(1, int(spec.canonical().kwargs["ratio"] * n))
-            select = costs.topk_passes * 4 * n / costs.memory_Bps
-            decode = world * 8 * k / costs.memory_Bps + 4 * n / costs.memory_Bps  # scatter-add W
-            return 2 * costs.launch_s + select + decode
-        raise ValueError(f"no GPU cost assumption for {spec.name!r}")
+        return costs.seconds(spec, n, world)
 
     return time
 
@@ -102,9 +225,11 @@ def _ring_comm(bandwidth_bps: float, vec_add: VecAddModel) -> Any:
 
 def full_model(
     profile: Zhang2020Profile, world_size: int, bandwidth_bps: float, compression: float,
-    vec_add: VecAddModel, costs: GpuCodecCosts = V100, bucket_cap_mb: float | None = None,
+    vec_add: VecAddModel, costs: CodecCosts = V100, bucket_cap_mb: float | None = None,
 ) -> dict[str, Any]:
-    """One what-if point of the V100 profile in autotune's timeline."""
+    """One what-if point of the V100 profile in autotune's timeline; ``costs``: the
+    codecs' (:class:`MeasuredCodecCosts` from the benchmark's JSON, or stated
+    constants, :data:`V100` by default)."""
     spec = compressor_for_ratio(compression)
     compute = compute_from_zhang(profile)
     est = simulate(compute, {}, spec, bucket_cap_mb, world_size,
