@@ -3,6 +3,7 @@ traces and `autotune simulate`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -27,7 +28,7 @@ from autotune.models.simulator import WhatIf
 from autotune.models.trace import trace_events
 from autotune.policies import Policy
 from autotune.probes.profile import Profile
-from autotune.workloads import resolve_workload
+from autotune.workloads import Workload, resolve_workload
 
 GRID = [
     {"compressor": "none"}, {"compressor": "fp16"}, {"compressor": "bf16"},
@@ -85,6 +86,68 @@ def synthetic_profile(workload: str = "cnn", link_bps: float = 1e9, world: int =
         "codecs": {"world_size": world, "shapes": shapes, "errors": errors,
                    "grad_norms": {name: 1.0 for name, _ in params}},
     })
+
+
+TABLE_ROWS = 50_000  # the embedding table of sparse_profile(): 1.6 M elements
+
+
+def embedding_bag_workload() -> Workload:
+    """A 50k x 32 embedding bag and a small MLP; each step's bags look up 256 uniform
+    ids, about 0.5% of the table's rows."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(TABLE_ROWS, 32, mode="sum"), nn.Linear(32, 64),
+                          nn.ReLU(), nn.Linear(64, 1))
+
+    def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(step)
+        return (torch.randint(0, TABLE_ROWS, (64, 4), generator=gen),
+                torch.randn(64, 1, generator=gen))
+
+    return Workload(model, make_batch, torch.nn.functional.mse_loss, name="embedding_bag")
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_profile(link_bps: float = 2e7) -> Profile:
+    """synthetic_profile() of embedding_bag_workload() whose codec section is a real
+    probe of its captured gradients (row structure, times and errors of a grid with
+    rowsparse): the network and compute are known, the codecs measured."""
+    from autotune.probes.codecs import probe_codecs
+    from autotune.probes.compute import probe_compute
+
+    work = embedding_bag_workload()
+    grid = [{"compressor": "none"}, {"compressor": "fp16"}, {"compressor": "powersgd", "rank": 1},
+            {"compressor": "powersgd", "rank": 4}, {"compressor": "topk", "ratio": 0.01},
+            {"compressor": "rowsparse"}]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank of `autotune profile` runs it
+    try:
+        _, grads = probe_compute(work, steps=3, warmup=1, capture=3)
+        codecs = probe_codecs(grads, world_size=2, grid=grid, reps=2)
+    finally:
+        torch.set_num_threads(threads)
+    data = synthetic_profile("embedding_bag", link_bps=link_bps, model=work.model).to_dict()
+    data["codecs"] = codecs
+    return Profile.from_dict(data)
+
+
+def test_rowsparse_is_priced_at_each_tables_measured_density() -> None:
+    from autotune.models.cost_model import row_densities
+
+    profile = sparse_profile()
+    densities = row_densities(profile)
+    assert 0.003 < densities["0.weight"] < 0.006 and densities["1.weight"] == 1.0
+    model = CostModel.fit(profile)
+    comp = create("rowsparse")
+    shapes = {p["name"]: tuple(p["shape"]) for p in profile.compute["params"]}
+    est = model.predict(Policy.uniform("rowsparse"))
+    assert est.wire_bytes == sum(comp.wire_bytes(s, 2, densities[n]) for n, s in shapes.items())
+    assert est.wire_bytes < 0.1 * model.predict(None).wire_bytes  # DDP sends the 6.4 MB table
+    # its codec time reads the density: more rows sent, more work
+    time = model.codec_time(WhatIf())
+    spec, table = CompressorSpec.of("rowsparse"), shapes["0.weight"]
+    assert time(spec, table, 2, 0.01) < time(spec, table, 2, 0.2) < time(spec, table, 2, 0.4)
 
 
 # ------------------------------------------------------------------- buckets
@@ -304,3 +367,6 @@ def test_codec_features_use_the_compressor_parameter() -> None:
 
     assert codec_features(CompressorSpec.of("powersgd", rank=4), (64, 32, 3, 3)) == [18432, 64, 288, 4]
     assert codec_features(CompressorSpec.of("topk"), (1000,))[3] == 0.01
+    # data-dependent methods: the share of rows sent (1 when not measured: dense)
+    assert codec_features(CompressorSpec.of("rowsparse"), (1000, 16), 0.02) == [16000, 1000, 16, 0.02]
+    assert codec_features(CompressorSpec.of("rowsparse"), (1000, 16))[3] == 1.0

@@ -13,6 +13,7 @@ from autotune.errors import CompressorError, ProfileError
 from autotune.probes.codecs import (
     BASELINE_SPECS,
     DEFAULT_GRID,
+    DENSER_AT,
     MIN_LIVE_ROWS,
     SAMPLE_ABOVE,
     SAMPLE_NUMEL,
@@ -53,17 +54,21 @@ def test_wire_bytes_are_the_compressors_own(result: dict[str, Any]) -> None:
     for row in result["shapes"]:
         comp = compressors.create(row["spec"]["compressor"],
                                   **{k: v for k, v in row["spec"].items() if k != "compressor"})
-        assert row["wire_messages"] == comp.wire_messages(row["shape"], 2)
+        # data-dependent methods at the density of the tensor timed (these are dense)
+        density = row.get("row_density")
+        assert (density is not None) == comp.density_dependent
+        assert row["wire_messages"] == comp.wire_messages(row["shape"], 2, density)
         assert row["wire_bytes"] == sum(row["wire_messages"].values())
-        assert row["wire_bytes"] == comp.wire_bytes(row["shape"], 2)
+        assert row["wire_bytes"] == comp.wire_bytes(row["shape"], 2, density)
 
 
 def test_none_is_exact_and_lossy_methods_are_not(result: dict[str, Any]) -> None:
     wire = {(r["label"], tuple(r["shape"])): r["wire_bytes"] for r in result["shapes"]}
     for row in result["errors"]:
         shape = SHAPES[row["param"]]
-        # PowerSGD sends vectors and small matrices uncompressed, in fp32
-        exact = row["spec"]["compressor"] == "none" or (
+        # PowerSGD sends vectors and small matrices uncompressed, in fp32; rowsparse is
+        # exact (here it allreduces these dense gradients)
+        exact = row["spec"]["compressor"] in ("none", "rowsparse") or (
             row["spec"]["compressor"] == "powersgd"
             and wire[row["label"], shape] == 4 * torch.Size(shape).numel()
         )
@@ -198,7 +203,7 @@ def embedding_workload() -> Workload:
 def rank_structure() -> dict[str, Any]:
     torch.set_num_threads(1)
     _, grads = probe_compute(embedding_workload(), steps=3, warmup=1, capture=3)
-    return probe_codecs(grads, world_size=2, grid=[{"compressor": "none"}], reps=1,
+    return probe_codecs(grads, world_size=2, grid=[{"compressor": "rowsparse"}], reps=1,
                         distribute=True)
 
 
@@ -214,6 +219,32 @@ def test_the_structure_of_real_gradients_is_combined_over_ranks(run_ranks: Any) 
     assert (table["steps"], table["ranks"]) == (3, 2)
     assert {a["structure"][n]["row_density_max"] for n in ("0.weight", "1.weight", "1.bias")} == {
         hi, 1.0}
+    # rowsparse was timed on the captured table, at its rows' density, and is exact
+    timed = next(r for r in a["shapes"] if r["shape"] == [EMBEDDING_ROWS, 8])
+    assert timed["row_density"] in (lo, hi)
+    assert all(r["rel_error"] == 0.0 for r in a["errors"])
+
+
+def test_rowsparse_is_timed_on_the_real_rows_and_on_a_fuller_copy(
+    table_grads: dict[str, list[torch.Tensor]],
+) -> None:
+    out = probe_codecs(table_grads, world_size=2, grid=[{"compressor": "rowsparse"}], reps=1)
+    table = next(r for r in out["shapes"] if r["shape"] == [70_000, 16])
+    last = table_grads["emb.weight"][-1]
+    density = int((last != 0).any(dim=1).sum()) / 70_000
+    # timed on the last captured step (first on its row sample, then, with no budget
+    # to keep to, in full), and a copy with a quarter of its rows filled
+    assert table["measured"] == "full" and table["row_density"] == density
+    assert table["denser"]["row_density"] == pytest.approx(DENSER_AT, abs=1e-3)
+    comp = compressors.create("rowsparse")
+    assert table["wire_bytes"] == comp.wire_bytes((70_000, 16), 2, table["row_density"])
+    assert table["wire_bytes"] < 0.1 * comp.wire_bytes((70_000, 16), 2)  # dense: 4.5 MB
+    dense = next(r for r in out["shapes"] if r["shape"] == [64, 32])
+    assert dense["row_density"] == 1.0 and "denser" not in dense
+    # exact, and on the table measured on its live rows
+    errors = {r["param"]: r for r in out["errors"]}
+    assert errors["emb.weight"]["measured"] == "live_rows"
+    assert all(r["cum_error"] == 0.0 and r["rel_error"] == 0.0 for r in errors.values())
 
 
 # --- large tensors: measured on their rows --------------------------------------------
@@ -371,3 +402,7 @@ def test_every_cell_is_measured_within_the_profiles_budget(name: str, one_thread
     if name == "dlrm":  # its tables are measured on their rows
         modes = {r["measured"] for r in out["errors"] if r["param"].startswith("tables.")}
         assert modes >= {"live_rows", "sample"}
+        # rowsparse timed on the six tables' real rows (0.15-1.5% of them), and again fuller
+        tables = [r for r in out["shapes"] if r["label"] == "rowsparse" and r["shape"][0] >= 10_000]
+        assert len(tables) == 6
+        assert all(r["row_density"] < 0.05 and "denser" in r for r in tables)

@@ -247,6 +247,7 @@ def _codecs_broken(path: list[Any], value: Any) -> dict[str, Any]:
          "codecs.structure['emb.weight'].ranks: expected an integer in [1, 2]"),
         (["structure", "nosuch.weight"], {"row_density_max": 0.5},
          "codecs.structure['nosuch.weight']: not a profiled parameter"),
+        (["shapes", 1, "row_density"], 1.5, "codecs.shapes[1].row_density: expected a number"),
     ],
 )
 def test_malformed_row_cells_are_rejected_naming_the_field(path: list[Any], value: Any, field: str) -> None:

@@ -165,6 +165,10 @@ class Compressor(ABC):
     # False for methods that keep no state and pass a NaN/Inf, and a joined rank's zeros,
     # through exactly as DDP's allreduce would: the runtime's guard is not needed for them
     guarded: ClassVar[bool] = True
+    # True for methods whose bytes and work depend on the gradient's values (rowsparse:
+    # its non-zero rows), not on its shape alone: wire_messages reads ``density``, and
+    # the codec probe times them on the captured gradients and records the density
+    density_dependent: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:
         self.config: dict[str, Any] = REGISTRY.validate(self.name, kwargs)

@@ -96,6 +96,7 @@ class RowSparse(Compressor):
                         doc="precision of the rows sent: fp32 is exact"),
     }
     guarded = False  # stateless; a NaN row is sent like any other, a joined rank sends none
+    density_dependent = True  # bytes and work follow the non-zero rows
 
     @property
     def lossy(self) -> bool:  # type: ignore[override]

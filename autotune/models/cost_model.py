@@ -38,18 +38,23 @@ __all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "codec_features"]
 
 logger = logging.getLogger(__name__)
 
-MODEL_VERSION = 1
+# 2: rowsparse's codec time reads the row density (a fourth feature it did not have)
+MODEL_VERSION = 2
 _RUNTIME_COLLECTIVES = ("allreduce", "allgather")  # what the runtime issues
 
 
-def codec_features(spec: CompressorSpec, shape: tuple[int, ...]) -> list[float]:
+def codec_features(spec: CompressorSpec, shape: tuple[int, ...],
+                   density: float | None = None) -> list[float]:
     """``[numel, rows, cols, param]`` of a tensor under a compressor (param: rank,
-    ratio or block; 0 for methods without a size knob)."""
+    ratio or block; for data-dependent methods (rowsparse) the share of rows holding a
+    non-zero value, ``density``, None: dense; 0 for methods without a size knob)."""
     numel = 1
     for d in shape:
         numel *= int(d)
     rows = int(shape[0]) if len(shape) >= 2 else numel
     cols = numel // max(rows, 1) if len(shape) >= 2 else 1
+    if REGISTRY.get(spec.name).density_dependent:
+        return [float(numel), float(rows), float(cols), 1.0 if density is None else float(density)]
     params = spec.canonical().kwargs
     param = float(params.get("rank", params.get("ratio", params.get("block", 0.0))))
     return [float(numel), float(rows), float(cols), param]
@@ -134,8 +139,12 @@ class CostModel:
         by_name: dict[str, list[tuple[list[float], float]]] = {}
         for s in profile.codecs.get("shapes", []):
             spec = CompressorSpec.from_dict(s["spec"])
-            by_name.setdefault(spec.name, []).append(
-                (codec_features(spec, tuple(s["shape"])), float(s["encode_decode_s"]))
+            # data-dependent methods were timed at the density of the tensor timed, and
+            # sparse tensors again with more rows filled
+            points = [s, *([s["denser"]] if s.get("denser") else [])]
+            by_name.setdefault(spec.name, []).extend(
+                (codec_features(spec, tuple(s["shape"]), p.get("row_density")),
+                 float(p["encode_decode_s"])) for p in points
             )
         for name, rows_ in by_name.items():
             X = np.array([r for r, _ in rows_], dtype=float)
@@ -203,11 +212,13 @@ class CostModel:
         return time
 
     def codec_time(self, what_if: WhatIf) -> Any:
-        """``(spec, shape, world) -> seconds`` of encode+decode."""
+        """``(spec, shape, world, density) -> seconds`` of encode+decode (density: the
+        share of rows holding a non-zero value, which data-dependent methods read)."""
         cache = self._memo
 
-        def time(spec: CompressorSpec, shape: tuple[int, ...], world: int) -> float:
-            key = ("codec", what_if.compute_speed, spec, shape, world)
+        def time(spec: CompressorSpec, shape: tuple[int, ...], world: int,
+                 density: float | None = None) -> float:
+            key = ("codec", what_if.compute_speed, spec, shape, world, density)
             if key not in cache:
                 model = self.codec.get(spec.name)
                 if model is None:
@@ -215,7 +226,7 @@ class CostModel:
                         f"the profile has no codec measurements for {spec.name!r}; "
                         "re-run `autotune profile` with it in the codec grid"
                     )
-                t = float(model.predict(np.array([codec_features(spec, shape)]))[0])
+                t = float(model.predict(np.array([codec_features(spec, shape, density)]))[0])
                 if "allgather" in REGISTRY.get(spec.name).collectives and world != self.codec_world:
                     # decoding handles one payload per rank: scale the decode half
                     t = t / 2 + t / 2 * world / max(self.codec_world, 1)

@@ -158,6 +158,10 @@ def _codec_features(compressor: str, X: np.ndarray) -> np.ndarray:
     if compressor == "topk":
         k = np.maximum(np.ceil(param * n), 1.0)
         return np.column_stack([ones, n, k * np.log2(n + 2)])
+    if compressor == "rowsparse":
+        # a pass over the tensor finding its non-zero rows (a reduction per row), then
+        # work on the rows sent (gathered from every rank, added up): param is their share
+        return np.column_stack([ones, n, rows, n * np.minimum(param, 1.0)])
     return np.column_stack([ones, n])  # elementwise methods: a constant plus a pass
 
 
@@ -165,7 +169,8 @@ class CodecTimeRegressor(RegressorMixin, BaseEstimator):
     """Encode+decode seconds of one compressor from ``X = [[numel, rows, cols, param]]``.
 
     ``param`` is the compressor's size knob (PowerSGD rank, top-k ratio, int8 block;
-    0 for methods without one); rows/cols are the matrix view (shape[0] x the rest).
+    for rowsparse the share of rows holding a non-zero value; 0 for methods without
+    one); rows/cols are the matrix view (shape[0] x the rest).
 
     Args:
         compressor: the compressor's registered name (selects the features).

@@ -47,7 +47,8 @@ __all__ = [
 ]
 
 CommTime = Callable[[str, int, int], float]  # (collective, payload bytes, world) -> s
-CodecTime = Callable[[CompressorSpec, tuple[int, ...], int], float]  # (spec, shape, world) -> s
+# (spec, shape, world, row density or None) -> s
+CodecTime = Callable[[CompressorSpec, tuple[int, ...], int, float | None], float]
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,8 @@ def simulate(
         layers / default / bucket_cap_mb: the policy (None cap: DDP's default buckets).
         world_size: ranks in the job.
         comm_time: seconds of one collective.
-        codec_time: encode+decode seconds of one tensor under a compressor.
+        codec_time: encode+decode seconds of one tensor under a compressor, given its
+            measured row density (None: not measured), which data-dependent methods read.
     """
     buckets = plan_buckets(compute, layers, default, bucket_cap_mb, world_size)
     backward = compute.backward_s
@@ -300,7 +302,7 @@ def _channel(
             comm_total, wire, calls = dt, nbytes, 1
         else:
             for g in groups:
-                codec = sum(codec_time(g.spec, p.shape, world) for p in g.params)
+                codec = sum(codec_time(g.spec, p.shape, world, p.density) for p in g.params)
                 label = g.spec.label()
                 # half before the collectives (encode), half after (decode)
                 spans.append(("codec", f"encode {label}", t, t + codec / 2))

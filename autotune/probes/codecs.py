@@ -56,6 +56,13 @@ tensor's elements) that hold a non-zero value, on every captured step of every r
 ``row_density_max`` is what the busiest rank sends in the busiest step, which sizes the
 messages of ``rowsparse`` (it sends every rank's non-zero rows, padded to the busiest
 rank's count).
+
+Data-dependent compressors (``Compressor.density_dependent``: rowsparse) are timed on
+the captured gradients, with their real rows, and sized at their density: each of their
+time cells records the ``row_density`` of the tensor it timed (its wire bytes are that
+tensor's), and, for a sparse one, ``denser``: the time of the same tensor with rows
+filled up to :data:`DENSER_AT` of them, so that the cost model's codec time can tell
+the work per row sent from the pass over the whole tensor.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ from autotune.errors import ProfileError
 __all__ = [
     "BASELINE_SPECS",
     "DEFAULT_GRID",
+    "DENSER_AT",
     "MIN_LIVE_ROWS",
     "REPRESENTATIVE",
     "ROW_SPARSE_BELOW",
@@ -96,7 +104,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # What the tuner chooses from by default: exact and half-precision allreduce, PowerSGD
-# ranks by factors of 2, top-k ratios by factors of 10, 8-bit and 1-bit quantisation.
+# ranks by factors of 2, top-k ratios by factors of 10, 8-bit and 1-bit quantisation, and
+# the exact exchange of non-zero rows (embedding tables).
 # One configuration of every method comes first: those are measured whatever the
 # budget, so the cost model can price every method; the other sizes follow.
 DEFAULT_GRID: tuple[Mapping[str, Any], ...] = (
@@ -107,6 +116,7 @@ DEFAULT_GRID: tuple[Mapping[str, Any], ...] = (
     {"compressor": "topk", "ratio": 0.01},
     {"compressor": "int8"},
     {"compressor": "sign"},
+    {"compressor": "rowsparse"},
     {"compressor": "powersgd", "rank": 1},
     {"compressor": "powersgd", "rank": 2},
     {"compressor": "powersgd", "rank": 8},
@@ -135,6 +145,10 @@ MIN_LIVE_ROWS = 64
 # would send differ by at most this fraction. This catches PowerSGD on too few rows: its
 # bytes per element grow like 1/rows, and its error falls with them.
 REPRESENTATIVE = 0.1
+# Data-dependent compressors are timed on a sparse tensor a second time, with its rows
+# filled up to this share: inside the range where rowsparse is an option, far enough from
+# the sparse tables' own shares (0.1-2%) to tell work per row sent from the table's scan.
+DENSER_AT = 0.25
 # A parameter whose busiest rank leaves more than half of its gradient's rows zero is
 # row-sparse: the search gives it rowsparse as an option, `autotune show` lists it.
 ROW_SPARSE_BELOW = 0.5
@@ -295,14 +309,18 @@ def _on_live_rows(spec: CompressorSpec, comp: compressors.Compressor, shape: tup
     the same choice (compress or not, and the rank): zero rows of M give zero rows of
     ``P = MQ``, add nothing to ``Q = M^T P``, and keep zero residuals. Top-k is, with its
     ratio rescaled to keep the same ``k``: zeros are never among the largest (or add
-    nothing when they are). Sign (its scale is a mean over every element, and zeros are
-    sent as +-scale) and int8 (blocks span rows) are not, nor any compressor this probe
-    does not know.
+    nothing when they are). So is exact ``rowsparse``, whose error is zero on any rows.
+    Sign (its scale is a mean over every element, and zeros are sent as +-scale) and
+    int8 (blocks span rows) are not, nor any compressor this probe does not know.
     """
     if live < 1 or 2 * live > shape[0]:
         return None
     live_shape = (live, *shape[1:])
     if spec.name in _ELEMENTWISE:
+        return spec
+    if spec.name == "rowsparse" and not comp.lossy:
+        # exact: zero error on any rows (with half-precision rows it chooses sparse or
+        # dense by the share of live rows, which the live rows alone would change)
         return spec
     if spec.name == "powersgd":
         cols = math.prod(shape[1:])
@@ -370,27 +388,32 @@ def _measure_spec(
         if index is not None and not _stands_for(timer, shape, index.numel(), world_size):
             index = None
         x0 = g if index is None else g.index_select(0, index.to(device))
-        times = []
-        for rep in range(reps + 1):  # the first run builds state (Q, residual): untimed
-            x, comm = x0.clone(), LocalComm(world_size)
-            _sync(device)
-            start = time.perf_counter()
-            timer.reduce([x], [name], comm)
-            _sync(device)
-            if rep:
-                times.append(time.perf_counter() - start)
-        messages = {k: int(v) for k, v in timer.wire_messages(shape, world_size).items()}
-        seconds = statistics.median(times)
+        seconds = _time_reduce(timer, x0, name, world_size, reps, device)
+        # data-dependent methods send what this tensor holds: sized at its density
+        density = row_density(x0) if timer.density_dependent else None
+        messages = {k: int(v) for k, v in timer.wire_messages(shape, world_size, density).items()}
+        # every method's work is linear in the elements, or for PowerSGD in
+        # rows * cols * rank, of which a row sample keeps cols and the rank
+        scale = g.numel() / x0.numel()
         row: dict[str, Any] = {
             "spec": spec_dict, "label": label, "shape": list(shape),
-            "numel": g.numel(), "encode_decode_s": seconds,
-            "wire_bytes": int(timer.wire_bytes(shape, world_size)),
+            "numel": g.numel(), "encode_decode_s": seconds * scale,
+            "wire_bytes": sum(messages.values()),
             "wire_messages": messages, "measured": "full",
         }
+        if density is not None:
+            # the cost model reads the density it was timed at (a row sample keeps the
+            # tensor's share of live rows), and, for a sparse tensor, a second point
+            # with more of its rows filled, so that it can tell work per row sent from
+            # the pass over the whole tensor
+            row["row_density"] = density
+            if density < DENSER_AT / 2 and x0.dim() and x0.shape[0] >= 2:
+                denser = _denser(x0, DENSER_AT, zlib.crc32(name.encode()))
+                row["denser"] = {"row_density": row_density(denser), "encode_decode_s":
+                                 _time_reduce(timer, denser, name, world_size, reps, device)
+                                 * scale}
         if index is not None:
-            # every method's work is linear in the elements, or for PowerSGD in
-            # rows * cols * rank, of which a row sample keeps cols and the rank
-            row.update(encode_decode_s=seconds * g.numel() / x0.numel(), measured="sample",
+            row.update(measured="sample",
                        sample={"param": name, "rows": int(x0.shape[0]), "numel": x0.numel(),
                                "encode_decode_s": seconds})
         shape_rows.append(row)
@@ -430,6 +453,36 @@ def _measure_spec(
             error_row["sample"] = plan.describe(mode, shape)
         error_rows.append(error_row)
     return shape_rows, error_rows
+
+
+def _time_reduce(comp: compressors.Compressor, x0: Tensor, name: str, world_size: int,
+                 reps: int, device: torch.device) -> float:
+    """Median seconds of ``reps`` reductions of a copy of ``x0``, after an untimed one
+    (which builds state: Q, residuals)."""
+    times = []
+    for rep in range(reps + 1):
+        x, comm = x0.clone(), LocalComm(world_size)
+        _sync(device)
+        start = time.perf_counter()
+        comp.reduce([x], [name], comm)
+        _sync(device)
+        if rep:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _denser(x: Tensor, density: float, seed: int) -> Tensor:
+    """A copy of ``x`` with zero rows, drawn at random, filled with ones until
+    ``density`` of its rows are non-zero (what a data-dependent method's time reads)."""
+    rows = int(x.shape[0])
+    out = x.clone()
+    mat = out.view(rows, -1)
+    dead = (~mat.ne(0).any(dim=1)).nonzero().flatten().cpu()
+    want = min(dead.numel(), math.ceil(density * rows) - (rows - dead.numel()))
+    if want > 0:
+        gen = torch.Generator().manual_seed(seed)
+        mat[dead[torch.randperm(dead.numel(), generator=gen)[:want]].to(x.device)] = 1.0
+    return out
 
 
 def _time_full(spec: CompressorSpec, grad: Tensor, name: str, world_size: int,
@@ -518,7 +571,9 @@ def probe_codecs(
         ``sample``: rows, of_rows, numel and for a sample its live rows and energy
         ratio); ``structure`` per parameter the row densities of its gradients over
         the steps and ranks (see the module doc; ``ranks`` is 1 without
-        ``distribute``); ``sampling`` the thresholds used.
+        ``distribute``); ``sampling`` the thresholds used. Time cells of data-dependent
+        compressors carry the ``row_density`` of the tensor timed and, where it was
+        sparse, ``denser`` (``row_density``, ``encode_decode_s``) of a fuller copy.
 
     Raises:
         ProfileError: no gradients, ragged steps, a bad world size, ``reps`` or
@@ -588,12 +643,26 @@ def probe_codecs(
                      if row["measured"] == "sample"), key=lambda r: -r["encode_decode_s"])
     for row in scaled:
         left = None if budget_s is None else budget_s - (time.monotonic() - started)
-        if left is not None and left < 2 * row["encode_decode_s"]:  # a warm run and one timed
+        # a warm run and one timed, of the tensor and of its fuller copy if it has one
+        cost = row["encode_decode_s"] + row.get("denser", {}).get("encode_decode_s", 0.0)
+        if left is not None and left < 2 * cost:
             continue
         spec = CompressorSpec.from_dict(row["spec"])
         name = row["sample"]["param"]
-        row["encode_decode_s"] = _time_full(spec, grads[name][-1], name, world_size, where)
+        full = grads[name][-1]
+        row["encode_decode_s"] = _time_full(spec, full, name, world_size, where)
         row.update(measured="full", reps=1)
+        if "row_density" in row:  # now timed on all of its rows
+            density = row_density(full)
+            comp = compressors.create(spec.name, **spec.kwargs)
+            messages = {k: int(v) for k, v in
+                        comp.wire_messages(tuple(row["shape"]), world_size, density).items()}
+            row.update(row_density=density, wire_messages=messages,
+                       wire_bytes=sum(messages.values()))
+        if "denser" in row:
+            denser = _denser(full, DENSER_AT, zlib.crc32(name.encode()))
+            row["denser"] = {"row_density": row_density(denser),
+                             "encode_decode_s": _time_full(spec, denser, name, world_size, where)}
 
     part: dict[str, Any] = {
         "done": {str(i): {"shapes": s, "errors": e} for i, (s, e) in done.items()},

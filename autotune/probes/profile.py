@@ -253,6 +253,12 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
         v.shape(s, f"{path}.shape")
         v.number(s, f"{path}.encode_decode_s", low=0.0, high=MAX_SECONDS)
         v.number(s, f"{path}.wire_bytes", low=0.0, high=MAX_BYTES)
+        # data-dependent compressors: the fraction of rows non-zero in the tensor timed,
+        # and the time of a copy with more rows filled
+        v.optional(s, f"{path}.row_density", v.number, low=0.0, high=1.0)
+        if v.optional(s, f"{path}.denser", v.obj) is not None:
+            v.number(s["denser"], f"{path}.denser.row_density", low=0.0, high=1.0)
+            v.number(s["denser"], f"{path}.denser.encode_decode_s", low=0.0, high=MAX_SECONDS)
         # how the time was measured: absent (profiles before row sampling) is "full"
         if v.optional(s, f"{path}.measured", v.choice, options=("full", "sample")) == "sample":
             sample = v.obj(s, f"{path}.sample")
