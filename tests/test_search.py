@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_models import synthetic_profile
+from test_models import sparse_profile, synthetic_profile
 
 from autotune.cli import main
 from autotune.policies import load_policy
@@ -46,6 +46,27 @@ def test_guard_emits_the_best_baseline_when_nothing_beats_it() -> None:
     assert result.chosen.startswith("ddp")
     assert not result.policy.layers or all(s.name == "none" for s in result.policy.layers.values())
     assert result.policy.meta["chosen"] == result.chosen
+
+
+def test_rowsparse_is_searched_on_the_table_and_chosen_where_it_pays() -> None:
+    profile = sparse_profile(link_bps=2e7)
+    space = SearchSpace.from_profile(profile)
+    table = space.group_of("0.weight")  # 0.5% of its rows touched per step
+    assert table.key.startswith("sparse-matrix:") and table.params == ("0.weight",)
+    assert "rowsparse" in table.options and "powersgd" in table.options
+    assert all("rowsparse" not in g.options for g in space.groups if g is not table)
+    assert ErrorModel(profile).layer_error("rowsparse", "0.weight") == 0.0
+    # an exact-or-nearly budget: top-k with k above the table's non-zero count is exact
+    # too, and lossier methods may fit the default; rowsparse beats fp16 and that top-k
+    # (1% of the elements, with indices: 4x rowsparse's bytes) by bytes on a 20 Mbit/s link
+    result = tune(profile, trials=30, seed=0, max_error=0.01)
+    assert result.chosen == "tuned"
+    assert result.policy.spec_for("0.weight").name == "rowsparse"
+    assert result.tuned.error <= 0.01
+    assert result.tuned.predicted_s < min(b.predicted_s for b in result.baselines if b.feasible)
+    # a profile without measured structure (older, or dense) offers rowsparse nowhere
+    dense = SearchSpace.from_profile(synthetic_profile("cnn"))
+    assert not any(g.key.startswith("sparse") or "rowsparse" in g.options for g in dense.groups)
 
 
 def test_a_baseline_the_profile_did_not_measure_is_left_out(caplog: pytest.LogCaptureFixture) -> None:

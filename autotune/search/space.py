@@ -2,8 +2,10 @@
 
 A flat categorical per tensor does not scale to models with hundreds of tensors (TPE
 would see hundreds of independent dimensions). Parameters are grouped instead by what
-decides how they should travel: whether they are matrices (PowerSGD needs one) and
-their size (log-scale bins). The study searches the bucket size and one choice per group
+decides how they should travel: whether their gradients are row-sparse (most rows zero
+on the busiest rank, as the codec probe measured: embedding tables, which rowsparse
+sends exactly at a fraction of the bytes), whether they are matrices (PowerSGD needs
+one) and their size (log-scale bins). The study searches the bucket size and one choice per group
 jointly; :mod:`autotune.search.tuner` then refines the best policy layer by layer.
 
 The compression error of a policy comes from the codec probe's measurements on real
@@ -22,9 +24,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from autotune.compressors import CompressorSpec
+from autotune.compressors import REGISTRY, CompressorSpec
 from autotune.errors import ProfileError
+from autotune.models.cost_model import row_densities
 from autotune.policies import Policy
+from autotune.probes.codecs import ROW_SPARSE_BELOW
 from autotune.probes.profile import Profile
 from autotune.search.sampling import CHOICES, SMALL
 
@@ -34,6 +38,7 @@ __all__ = ["Group", "SearchSpace", "ErrorModel", "label_of"]
 SIZE_EDGES = (SMALL, 262_144, 1_048_576, 4_194_304)
 # Searched bucket caps (MB): DDP's 25 and a spread around it.
 CAPS = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+# what small tensors may use: compression cannot gain there, these cost nearly nothing
 _CHEAP = ("none", "fp16", "bf16")
 
 
@@ -70,22 +75,30 @@ class SearchSpace:
     ) -> SearchSpace:
         """Groups from the profiled parameters; options limited to measured compressors.
 
+        Data-dependent compressors (rowsparse) are options of the row-sparse groups only,
+        at any size: a dense gradient gains nothing from them, a sparse table of any
+        size may. Profiles without measured gradient structure have no such groups.
+
         ``pinned`` maps parameter names to compressor specs (dicts or CompressorSpec)
         that the search must not change."""
         measured = {label_of(s["spec"]) for s in profile.codecs.get("shapes", [])}
         specs = {label_of(c): CompressorSpec.from_dict(c).canonical() for c in choices}
         specs = {k: v for k, v in specs.items() if k in measured or k == "none"}
         params = {p["name"]: tuple(int(d) for d in p["shape"]) for p in profile.compute["params"]}
+        densities = row_densities(profile)
         members: dict[str, list[str]] = {}
         for name, shape in params.items():
-            members.setdefault(_group_key(shape), []).append(name)
+            sparse = densities.get(name, 1.0) < ROW_SPARSE_BELOW
+            members.setdefault(_group_key(shape, sparse), []).append(name)
         groups = []
         for key, names in members.items():
-            matrix = key.startswith("matrix")
+            kind = key.split(":", 1)[0]
+            matrix, sparse = kind.endswith("matrix"), kind.startswith("sparse")
             small = key.endswith(f":0-{SMALL}")
             options = tuple(
                 label for label, spec in specs.items()
-                if (spec.name in _CHEAP or not small) and (matrix or spec.name != "powersgd")
+                if (sparse if REGISTRY.get(spec.name).density_dependent else
+                    (spec.name in _CHEAP or not small) and (matrix or spec.name != "powersgd"))
             )
             groups.append(Group(key, tuple(names), sum(math.prod(params[n]) for n in names), options))
         groups.sort(key=lambda g: -g.numel)
@@ -138,9 +151,13 @@ class SearchSpace:
         return {g.key: (label if label in g.options else "none") for g in self.groups}
 
 
-def _group_key(shape: tuple[int, ...]) -> str:
+def _group_key(shape: tuple[int, ...], sparse: bool = False) -> str:
+    """E.g. ``matrix:262144-1048576``; row-sparse parameters' kinds are ``sparse-matrix``
+    and ``sparse-vector``."""
     n = math.prod(shape)
     kind = "matrix" if len(shape) >= 2 else "vector"
+    if sparse:
+        kind = f"sparse-{kind}"
     lo = 0
     for edge in SIZE_EDGES:
         if n < edge:

@@ -2,7 +2,8 @@
 guard that never emits a policy predicted to lose to a baseline.
 
 1. **Baselines first.** Plain DDP at several bucket sizes, fp16, PowerSGD rank 1 and 4
-   everywhere are predicted exactly and enqueued as the study's first trials.
+   everywhere are predicted exactly and enqueued as the study's first trials; so is
+   rowsparse on the row-sparse parameters (embedding tables), where there are any.
 2. **Joint search.** TPE (seeded, so a profile and a seed give one policy) over the
    bucket cap and one compressor per parameter group; objective: predicted step time;
    constraint: the policy's compression error <= ``max_error`` (Optuna's
@@ -243,6 +244,9 @@ def _baseline_params(space: SearchSpace) -> list[dict[str, Any]]:
     for label in ("fp16", "powersgd", "powersgd(rank=4)"):
         if label in space.specs:
             out.append({"bucket_cap_mb": cap, **space.uniform_choice(label)})
+    # the exact exchange of non-zero rows on the groups it is offered to (row-sparse ones)
+    if any("rowsparse" in g.options for g in space.groups):
+        out.append({"bucket_cap_mb": cap, **space.uniform_choice("rowsparse")})
     return out
 
 
