@@ -127,8 +127,8 @@ class Int8(Compressor):
                 for w in range(comm.world_size):
                     codes = gathered[w, c_off + start : c_off + start + blocks * width].view(blocks, width)
                     scale = all_scales[w, b0 : b0 + blocks].unsqueeze(1)
-                    if w == 0:
-                        torch.mul(codes, scale, out=part)
+                    if w == 0:  # cast, then scale in place: faster than a mixed-type mul
+                        part.copy_(codes).mul_(scale)
                     else:
                         part.addcmul_(codes, scale)
             if not direct:
