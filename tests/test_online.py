@@ -79,7 +79,13 @@ def rank_switch_in_lockstep(profile: str, steps: int = 120) -> dict[str, Any]:
         for spec in (PSGD, FP16, NONE, PSGD):
             if stop.wait(random.Random(7).uniform(0.1, 0.3) + 0.15):
                 return
+            announced = sum(e["event"] == "announce" for e in list(ddp.controller.events))
             ddp.controller.propose(Policy.from_dict(spec), reason="test")
+            # a later proposal replaces one not yet announced: on a loaded machine, where
+            # checks come slowly, wait for this one to be announced before the next
+            while not stop.is_set() and sum(
+                    e["event"] == "announce" for e in list(ddp.controller.events)) <= announced:
+                time.sleep(0.01)
 
     thread = threading.Thread(target=proposer, daemon=True)
     if rank == 0:
