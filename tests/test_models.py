@@ -132,7 +132,7 @@ def sparse_profile(link_bps: float = 2e7) -> Profile:
     return Profile.from_dict(data)
 
 
-def test_rowsparse_is_priced_at_each_tables_measured_density() -> None:
+def test_rowsparse_is_priced_at_each_tables_measured_density(tmp_path: Path, capsys) -> None:
     from autotune.models.cost_model import row_densities
 
     profile = sparse_profile()
@@ -148,6 +148,16 @@ def test_rowsparse_is_priced_at_each_tables_measured_density() -> None:
     time = model.codec_time(WhatIf())
     spec, table = CompressorSpec.of("rowsparse"), shapes["0.weight"]
     assert time(spec, table, 2, 0.01) < time(spec, table, 2, 0.2) < time(spec, table, 2, 0.4)
+    # `autotune simulate` prints those bytes
+    profile.save(tmp_path / "profile.json")
+    Policy.uniform("rowsparse").save(tmp_path / "policy.json")
+    argv = ["simulate", str(tmp_path / "profile.json"), "--policy", str(tmp_path / "policy.json")]
+    assert main([*argv, "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert next(r for r in results if r["name"] == "policy")["wire_bytes"] == est.wire_bytes
+    assert main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "policy" in line)
+    assert row.split("│")[-2].strip() == f"{est.wire_bytes / 1e6:.3f}"  # wire MB
 
 
 # ------------------------------------------------------------------- buckets

@@ -26,7 +26,8 @@ def add_show_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "default compressor, and the compressor of every parameter with its own entry.\n"
         "A profile: link classes with fitted bandwidth and latency, the heaviest layers,\n"
         "and codec costs, as `autotune profile` prints them, with how many codec cells\n"
-        "were extrapolated from row samples of large tensors and how many are missing.\n\n"
+        "were extrapolated from row samples of large tensors and how many are missing,\n"
+        "and the gradients that are row-sparse (most rows zero: embedding tables).\n\n"
         "example:\n  autotune show policy.json\n  autotune show policy.json --json | jq .layers\n"
         "  autotune show profile.json",
     )

@@ -179,7 +179,8 @@ def _print(results: list[dict[str, Any]]) -> None:
     zhang = "compression" in results[0] if results else False
     table = Table(title="predicted step time" + (" (Zhang et al. 2020 profile)" if zhang else ""))
     cols = ["config", "world", "link Gbit/s", "step ms"]
-    cols += ["compression", "scaling factor"] if zhang else ["compute ms", "codec ms", "comm ms", "exposed ms"]
+    cols += (["compression", "scaling factor"] if zhang else
+             ["compute ms", "codec ms", "comm ms", "exposed ms", "wire MB"])
     for col in cols:
         table.add_column(col, justify="left" if col == "config" else "right")
     for r in results:
@@ -188,7 +189,10 @@ def _print(results: list[dict[str, Any]]) -> None:
         if zhang:
             row += [f"{r['compression']:g}", f"{r['scaling_factor']:.3f}"]
         else:
+            # bytes this rank hands to collectives per step (data-dependent methods at
+            # the profile's measured row densities)
             row += [f"{r['compute_s'] * 1e3:.1f}", f"{r['codec_s'] * 1e3:.1f}",
-                    f"{r['comm_s'] * 1e3:.1f}", f"{r['exposed_comm_s'] * 1e3:.1f}"]
+                    f"{r['comm_s'] * 1e3:.1f}", f"{r['exposed_comm_s'] * 1e3:.1f}",
+                    f"{r['wire_bytes'] / 1e6:.3f}"]
         table.add_row(*row)
     out.print(table)
