@@ -19,20 +19,21 @@ Writes JSON (default bench/results/embeddings.json) and prints a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from _links import two_ranks  # bench/ is on sys.path when a script runs
+
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
-from autotune.launch import launch, local_placement
+from autotune.launch import launch
 from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 from autotune.search.verify import verify_result
@@ -46,17 +47,6 @@ BASELINES: list[dict[str, Any]] = [
     {"name": "rowsparse", "kind": "policy",
      "policy": {"version": 1, "bucket_cap_mb": 25.0, "default": {"compressor": "rowsparse"}}},
 ]
-
-
-@contextlib.contextmanager
-def _placement(link: str) -> Iterator[Any]:
-    if link == "unshaped":
-        yield local_placement(2)
-        return
-    from autotune.emulate import EmulatedCluster, parse_link
-
-    with EmulatedCluster(2, parse_link(link)) as cluster:
-        yield cluster
 
 
 def _embedding_errors(profile: Any, policy: Any) -> dict[str, dict[str, Any]]:
@@ -98,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
 
     for link in args.links.split(","):
-        with _placement(link) as where:
+        with two_ranks(link) as where:
             for name in args.workloads.split(","):
                 workload = WORKLOADS.get(name, name)
                 t0 = time.perf_counter()

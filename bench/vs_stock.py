@@ -23,20 +23,21 @@ bench/results/vs_stock.json) and prints a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from _links import two_ranks  # bench/ is on sys.path when a script runs
+
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
-from autotune.launch import launch, local_placement
+from autotune.launch import launch
 from autotune.runtime.hook import PHASES
 from autotune.workloads import resolve_workload
 
@@ -64,17 +65,6 @@ def _setups(workload: str) -> list[dict[str, Any]]:
         setups.append({"name": f"ours:{pair}", "kind": "policy", "policy": policy})
         setups.append({"name": f"stock:{pair}", **stock, "bucket_cap_mb": cap})
     return setups
-
-
-@contextlib.contextmanager
-def _placement(link: str) -> Iterator[Any]:
-    if link == "unshaped":
-        yield local_placement(2)
-        return
-    from autotune.emulate import EmulatedCluster, parse_link
-
-    with EmulatedCluster(2, parse_link(link)) as cluster:
-        yield cluster
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -119,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
 
     for link in args.links.split(","):
-        with _placement(link) as where:
+        with two_ranks(link) as where:
             for workload in args.workloads.split(","):
                 t0 = time.perf_counter()
                 measured = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
