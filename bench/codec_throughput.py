@@ -4,7 +4,8 @@ memcpy of the same bytes.
 For each compressor configuration and gradient size (fp32 matrices ``(n / 1024, 1024)``,
 so PowerSGD compresses them too), times ``compressor.reduce([g], [name], LocalComm(W))``
 (W identical simulated ranks in this process: decode handles W payloads, as on a real
-cluster, and no network is touched) interleaved with ``dst.copy_(src)`` of the same
+cluster, and no network is touched; every registered method, those not listed in
+CONFIGS at their defaults) interleaved with ``dst.copy_(src)`` of the same
 bytes: memcpy, reduce, reduce, memcpy, ... so that both see the same machine load. The
 compressor keeps its state across repeats (error feedback, PowerSGD's Q), as in
 training; two untimed reductions build it first.
@@ -23,8 +24,10 @@ Targets (issue 12): fp16, bf16, int8, sign <= 3x memcpy; top-k <= 5x memcpy; Pow
 dominated by its matmuls. One torch thread by default, as a training rank here has.
 
 Writes JSON (default bench/results/codec_throughput.json, ``..._cuda.json`` for
-``--device cuda``) and prints a table. Nothing reads that file yet: the cost model takes
-codec times from the codec probe, measured on the live job.
+``--device cuda``) and prints a table. ``autotune.models.external.MeasuredCodecCosts``
+reads it for the what-ifs of Zhang et al.'s GPU profiles (measure two world sizes,
+``--world-size 2 8``, for the cost of decoding W payloads); the cost model of a profiled
+job takes codec times from the codec probe, measured on the live job.
 
     python bench/codec_throughput.py [--sizes-mb 1 4 16 64] [--world-size 2]
         [--repeats 15] [--threads 1] [--device cpu|cuda] [--only topk ...] [--out FILE]
@@ -71,6 +74,34 @@ TARGETS: Mapping[str, float | None] = {
 }
 
 
+class SyncedLocalComm(LocalComm):
+    """LocalComm whose collectives wait for the device before and after, so that on a
+    GPU (asynchronous) their device work is counted as communication, not codec."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        _sync(tensor.device)
+        return super().all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        _sync(tensor.device)
+        return super().all_gather(tensor)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = super()._all_reduce(tensor)
+        _sync(tensor.device)
+        return out
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = super()._all_gather(tensor)
+        _sync(tensor.device)
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timer(device: torch.device) -> Callable[[], float]:
     if device.type == "cuda":
         def now() -> float:
@@ -93,7 +124,7 @@ def measure(label: str, spec: CompressorSpec, size_mb: float, world: int, repeat
 
     def reduce() -> tuple[float, float]:
         work.copy_(grad)
-        comm = LocalComm(world)
+        comm = SyncedLocalComm(world)
         start = now()
         comp.reduce([work], ["grad"], comm)
         elapsed = now() - start
@@ -193,11 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(__file__).parent / "results" / (
         "codec_throughput.json" if device.type == "cpu" else f"codec_throughput_{device.type}.json")
     torch.set_num_threads(args.threads)
-    configs = [(label, CompressorSpec.from_dict(d)) for label, d in CONFIGS
+    # every registered method: those without a configuration above at their defaults
+    listed = {d["compressor"] for _, d in CONFIGS}
+    extra = [(name, {"compressor": name}) for name in compressors.names() if name not in listed]
+    configs = [(label, CompressorSpec.from_dict(d)) for label, d in CONFIGS + extra
                if args.only is None or any(label.startswith(o) for o in args.only)]
-    missing = sorted(set(compressors.names()) - {d["compressor"] for _, d in CONFIGS})
-    if missing:
-        console.print(f"[yellow]not benchmarked (no configuration here): {', '.join(missing)}[/yellow]")
 
     rows = []
     started = time.perf_counter()
