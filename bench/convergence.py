@@ -11,10 +11,12 @@ digits' 26 K parameters make compression pointless on the live link, so the tune
 rightly picks near-lossless fp16 under every budget. To test the budgets themselves,
 "stress" rows tune for a what-if link slow enough (``--stress-link``, 1 Mbit) that the
 search takes all the compression each budget allows, and train those policies on the
-same live link.
+same live link. "stock powersgd" rows train with PyTorch's own ``powerSGD_hook`` (rank 1
+and 4, error feedback and warm start, as users run it), at the error the codec probe
+measured for the same method: what a budget must admit to allow what users already run.
 Needs root. Writes JSON and prints a table.
 
-    python bench/convergence.py [--epochs 12] [--budgets 0.3,0.45,0.6,0.85,1.5]
+    python bench/convergence.py [--epochs 12] [--budgets 0.2,0.4,0.6,0.8,1.0]
                                 [--stress-link 1mbit] [--seeds 0,1,2]
 """
 
@@ -43,9 +45,12 @@ from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
 
 def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
-               lr: float = 0.1) -> dict[str, Any]:
-    """Train digits under ``policy`` (None: plain DDP); accuracy and time per epoch."""
+               lr: float = 0.1, stock_powersgd_rank: int | None = None) -> dict[str, Any]:
+    """Train digits under ``policy`` (None: plain DDP, or PyTorch's own PowerSGD hook at
+    ``stock_powersgd_rank``, registered as its docs show, with error feedback and warm
+    start); accuracy and time per epoch."""
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
     import autotune
@@ -55,8 +60,16 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
 
     set_rank_threads()
     work = digits(seed=seed)
-    model = (DistributedDataParallel(work.model) if policy is None
-             else autotune.wrap(work.model, Policy.from_dict(policy)))
+    if policy is not None:
+        model = autotune.wrap(work.model, Policy.from_dict(policy))
+    else:
+        model = DistributedDataParallel(work.model)  # digits: one bucket, as gloo needs
+        if stock_powersgd_rank is not None:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=stock_powersgd_rank,
+                start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
+                warm_start=True)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(work.model.parameters(), lr=lr, momentum=0.9)
     # digits' training split (1797 images, a quarter held out) over the global batch.
     steps_per_epoch = (1797 - math.ceil(0.25 * 1797)) // (32 * dist.get_world_size())
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in sorted({0.3, 0.45, DEFAULT_MAX_ERROR, 0.85, 1.5})))
+    parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in sorted({0.2, 0.4, DEFAULT_MAX_ERROR, 0.8, 1.0})))
     parser.add_argument("--stress-link", default="1mbit",
                         help="what-if link the stress rows are tuned for ('' for none)")
     parser.add_argument("--seeds", default="0,1,2", help="training seeds, paired across runs")
@@ -116,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                               "compressors": "+".join(used),
                               "error": result.policy.meta["error"],
                               "predicted_s": result.policy.meta["predicted_step_s"]}
+        # PyTorch's PowerSGD hook as users run it (error feedback, warm start), at the
+        # error the codec probe measured for our equivalent (the same method)
+        for rank in (1, 4):
+            policies[f"stock powersgd{rank}"] = {
+                "policy": None, "stock_powersgd_rank": rank, "chosen": "stock hook",
+                "compressors": f"powerSGD_hook(rank={rank})",
+                "error": result.policy.meta["baselines"][f"powersgd{rank}"]["error"]}
         # Seed by seed, every configuration in turn (A B C A B C): the seed changes the
         # data split, the initial weights and the shuffling; runs of one seed are paired.
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
@@ -123,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, entry in policies.items():
                 run = launch("convergence:rank_train", placement=cluster, timeout=1800,
                              kwargs={"policy": entry["policy"], "epochs": args.epochs,
-                                     "seed": seed})[0]
+                                     "seed": seed,
+                                     "stock_powersgd_rank": entry.get("stock_powersgd_rank")})[0]
                 runs[name].append(run)
                 console.print(f"seed {seed} {name}: final accuracy {run['accuracy'][-1]:.3f}")
     rows = []
@@ -136,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             t_run, t_base = _time_to(args.target, run), _time_to(args.target, base)
             ratios.append(t_run / t_base if t_run and t_base else None)
         reached = [r for r in ratios if r is not None]
-        entry = {k: v for k, v in policies[name].items() if k != "policy" or v is not None}
+        entry = {k: v for k, v in policies[name].items()
+                 if v is not None or k not in ("policy", "stock_powersgd_rank")}
         rows.append({
             "name": name, "final_accuracy_mean": statistics.mean(finals),
             "vs_ddp_points_mean": statistics.mean(deltas), "vs_ddp_points_worst": min(deltas),
