@@ -15,7 +15,8 @@ def two_ranks(link: str) -> Iterator[Any]:
     if link == "unshaped":
         yield local_placement(2)
         return
-    from autotune.emulate import EmulatedCluster, parse_link
+    from autotune.emulate import EmulatedCluster
+    from autotune.links import parse_link
 
     with EmulatedCluster(2, parse_link(link)) as cluster:
         yield cluster

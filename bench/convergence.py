@@ -35,10 +35,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotune.emulate import EmulatedCluster, parse_link
+from autotune.emulate import EmulatedCluster
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
 from autotune.launch import launch
+from autotune.links import parse_link
 from autotune.models.simulator import WhatIf
 from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune

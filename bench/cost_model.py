@@ -32,10 +32,11 @@ from rich.console import Console
 from rich.table import Table
 from scipy.stats import spearmanr
 
-from autotune.emulate import EmulatedCluster, parse_link
+from autotune.emulate import EmulatedCluster
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
 from autotune.launch import launch
+from autotune.links import parse_link
 from autotune.models.cost_model import CostModel
 from autotune.policies import Policy
 from autotune.probes.run import profile_job

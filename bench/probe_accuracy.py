@@ -29,9 +29,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autotune.emulate import EmulatedCluster, measure_tcp_rate, parse_link
+from autotune.emulate import EmulatedCluster, measure_tcp_rate
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
+from autotune.links import parse_link
 from autotune.probes.profile import load_profile
 
 

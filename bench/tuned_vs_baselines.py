@@ -35,10 +35,10 @@ from scipy.stats import kendalltau
 
 from _links import two_ranks  # bench/ is on sys.path when a script runs
 
-from autotune.emulate import parse_link
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
 from autotune.launch import launch
+from autotune.links import parse_link
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy

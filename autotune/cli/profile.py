@@ -16,6 +16,7 @@ from autotune.cli._base import (
     positive_int,
 )
 from autotune.errors import AutotuneError, ClusterError
+from autotune.links import parse_link
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +70,7 @@ def placement(args: argparse.Namespace) -> Iterator[Any]:
         return
     if args.link is None:
         raise ClusterError(f"--hosts {args.hosts} needs --link RATE (e.g. --link 1gbit)")
-    from autotune.emulate import EmulatedCluster, parse_link
+    from autotune.emulate import EmulatedCluster
 
     with EmulatedCluster(args.hosts, parse_link(args.link), nproc_per_node=args.nproc_per_node) as cluster:
         yield cluster

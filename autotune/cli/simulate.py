@@ -14,6 +14,7 @@ from rich.table import Table
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_float
 from autotune.cli.profile import check_out_path
 from autotune.errors import AutotuneError, ProfileError
+from autotune.links import parse_link
 
 
 def baseline_policies() -> dict[str, Any]:
@@ -27,8 +28,6 @@ def baseline_policies() -> dict[str, Any]:
 
 
 def _rates(text: str) -> list[float]:
-    from autotune.emulate import parse_link
-
     try:
         return [parse_link(part.strip()).rate_bps for part in text.split(",") if part.strip()]
     except AutotuneError as exc:

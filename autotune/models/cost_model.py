@@ -65,7 +65,7 @@ def _link_bps(profile: Profile) -> float | None:
     bandwidth (what the collective actually got)."""
     link = profile.env.get("link")
     if link:
-        from autotune.emulate import parse_link
+        from autotune.links import parse_link
 
         return parse_link(str(link)).rate_bps
     fit = profile.network.get("fits", {}).get("allreduce")

@@ -27,6 +27,7 @@ from typing import Any, Mapping, NoReturn
 
 from autotune.errors import AutotuneError, ProfileError
 from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_atomic
+from autotune.links import parse_link
 
 __all__ = ["PROFILE_VERSION", "Profile", "load_profile"]
 
@@ -184,8 +185,6 @@ def _validate(data: Mapping[str, Any], source: str) -> None:
     world = v.integer(env, "env.world_size", low=1)
     v.integer(env, "env.hosts", low=1, high=world)
     if env.get("link") is not None:
-        from autotune.emulate import parse_link
-
         try:
             parse_link(v.string(env, "env.link"))
         except AutotuneError as exc:

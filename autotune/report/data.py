@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from autotune.errors import AutotuneError
 from autotune.jsonio import json_type, read_json
+from autotune.links import parse_link
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import StepEstimate, WhatIf
 from autotune.policies import Policy
@@ -369,8 +370,6 @@ def _layers(profile: Profile, model: CostModel, policy: Policy | None) -> list[L
 
 def _measured(profile: Profile, model: CostModel, configs: Mapping[str, Policy | None],
               bench: Mapping[str, Any]) -> list[Measured]:
-    from autotune.emulate import parse_link
-
     workload = str(profile.workload.get("name"))
     runs: list[tuple[str | None, int, dict[str, float], dict[str, Policy | None], str]] = []
     if "results" in bench:
