@@ -40,7 +40,7 @@ from autotune.links import parse_link
 from autotune.models.cost_model import CostModel
 from autotune.policies import Policy
 from autotune.probes.run import profile_job
-from autotune.search.sampling import random_policy
+from autotune.probes.sampling import random_policy
 from autotune.workloads import resolve_workload
 
 BASELINES: dict[str, dict[str, Any] | None] = {

@@ -128,7 +128,7 @@ def calibration_policies(work: Any) -> list[dict[str, Any] | None]:
     """Plain DDP, fp16, PowerSGD rank 1 and 4, and a few random mixed policies."""
     import random
 
-    from autotune.search.sampling import random_policy
+    from autotune.probes.sampling import random_policy
 
     params = [(n, p.numel()) for n, p in work.model.named_parameters() if p.requires_grad]
     rng = random.Random(CALIBRATION_SEED)

@@ -30,7 +30,7 @@ from autotune.models.cost_model import row_densities
 from autotune.policies import Policy
 from autotune.probes.codecs import ROW_SPARSE_BELOW
 from autotune.probes.profile import Profile
-from autotune.search.sampling import CHOICES, SMALL
+from autotune.probes.sampling import CHOICES, SMALL
 
 __all__ = ["Group", "SearchSpace", "ErrorModel", "label_of"]
 
