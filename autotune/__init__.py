@@ -8,9 +8,9 @@ never imports optuna or scikit-learn.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from autotune._version import __version__
 from autotune.errors import (
     AutotuneError,
     ClusterError,
@@ -26,11 +26,6 @@ if TYPE_CHECKING:
     from autotune.policies import Policy, load_policy
     from autotune.runtime import AutotuneDDP, wrap
     from autotune.workloads import Workload
-
-try:
-    __version__ = version("ddp-autotune")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0+unknown"
 
 # public name -> module that defines it
 _LAZY = {

@@ -14,11 +14,11 @@ as a traceback. Heavy imports (torch, optuna, scikit-learn) happen inside ``cmd_
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import sys
 from typing import Callable, Sequence
 
+from autotune._version import __version__
 from autotune.cli._base import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
@@ -42,19 +42,6 @@ from autotune.errors import AutotuneError, RankFailure
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 
-def _version() -> str:
-    """The package version: ``autotune.__version__`` if set, else the installed one."""
-    import autotune
-
-    version = getattr(autotune, "__version__", None)
-    if isinstance(version, str):
-        return version
-    try:
-        return importlib.metadata.version("ddp-autotune")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 # ---------------------------------------------------------------------------- main
 
 SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
@@ -76,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Adaptive gradient-communication auto-tuner for PyTorch DDP.",
         formatter_class=Formatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, parser_class=Parser
     )

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from autotune._version import __version__
 from autotune.compressors import REGISTRY, CompressorSpec
 from autotune.errors import ProfileError
 from autotune.jsonio import dumps, read_json, write_atomic
@@ -259,12 +260,10 @@ class CostModel:
 
     # -------------------------------------------------------------- persistence
     def to_dict(self) -> dict[str, Any]:
-        import autotune
-
         c = self.compute
         return {
             "version": MODEL_VERSION,
-            "autotune": autotune.__version__,
+            "autotune": __version__,
             "profile_fingerprint": self.fingerprint,
             "world_size": self.world_size,
             "codec_world": self.codec_world,
@@ -285,16 +284,14 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "cost model") -> CostModel:
-        import autotune
-
         if not isinstance(data, Mapping) or type(data.get("version")) is not int or (
             data.get("version") != MODEL_VERSION
         ):
             raise ProfileError(f"{source}: version: expected {MODEL_VERSION}")
-        if data.get("autotune") != autotune.__version__:
+        if data.get("autotune") != __version__:
             raise ProfileError(
                 f"{source}: saved by autotune {data.get('autotune')}, this is "
-                f"{autotune.__version__}; refit it from its profile"
+                f"{__version__}; refit it from its profile"
             )
         try:
             c = data["compute"]

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from autotune._version import __version__
 from autotune.launch import Placement, launch, set_rank_threads
 from autotune.progress import Report, rank_reporter
 
@@ -35,13 +36,11 @@ CAPTURE_STEPS = 4
 
 def environment(link: str | None = None) -> dict[str, Any]:
     """Where the profile was taken: what a profile from elsewhere must be read against."""
-    import autotune
-
     backend = dist.get_backend()
     device = "cuda" if backend == "nccl" else "cpu"
     env: dict[str, Any] = {
         "torch": torch.__version__,
-        "autotune": autotune.__version__,
+        "autotune": __version__,
         "python": platform.python_version(),
         "backend": backend,
         "device": device,
