@@ -42,4 +42,19 @@ class ClusterError(AutotuneError, RuntimeError):
 
 
 class RankFailure(AutotuneError, RuntimeError):
-    """A rank of a distributed job failed, hung or was lost; the job was ended."""
+    """A rank of a distributed job failed, hung or was lost; the job was ended.
+
+    Args:
+        message: what happened, in one line.
+        rank: the rank whose exit ended the job, where a launcher saw one (None, e.g.,
+            for a job that ran past its timeout, or a failure seen inside a rank).
+        returncode: that rank's exit code as :mod:`subprocess` reports it (negative:
+            killed by that signal).
+    """
+
+    def __init__(
+        self, message: str, *, rank: int | None = None, returncode: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode

@@ -1,11 +1,13 @@
-"""Local launcher: run one function on N ranks, as torchrun would, and collect results.
+"""Local launcher: run one function (or any command) on N ranks, as torchrun would.
 
 Each rank is a fresh ``python -m autotune.launch`` process that gets torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``...),
 initialises the default process group from it, calls the target function and writes its
 JSON-serialisable return value to a file. So the code a rank runs is exactly the code it
 would run under ``torchrun``, and a rank can be placed in another network namespace by
-prefixing its command (see :mod:`autotune.emulate`).
+prefixing its command (see :mod:`autotune.emulate`). :func:`launch_command` runs any
+command (a user's torchrun-style script) on the ranks in the same way, and is what
+:func:`launch` is built on.
 
 A rank that fails ends the job: the others are given a short grace period (their next
 collective fails within milliseconds when a peer's connection resets) and then killed,
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -43,6 +46,7 @@ __all__ = [
     "RankSpec",
     "Placement",
     "launch",
+    "launch_command",
     "local_placement",
     "resolve_target",
     "init_from_env",
@@ -111,17 +115,29 @@ class Placement(Protocol):
 @dataclass(frozen=True)
 class _LocalPlacement:
     nprocs: int
+    nproc_per_node: int
     master_addr: str = "127.0.0.1"
 
     def ranks(self) -> Sequence[RankSpec]:
-        return [RankSpec(host=0, local_rank=r) for r in range(self.nprocs)]
+        n = self.nproc_per_node
+        return [RankSpec(host=r // n, local_rank=r % n) for r in range(self.nprocs)]
 
 
-def local_placement(nprocs: int) -> Placement:
-    """All ranks on this machine, talking over loopback."""
+def local_placement(nprocs: int, nproc_per_node: int | None = None) -> Placement:
+    """All ranks on this machine, talking over loopback.
+
+    Args:
+        nprocs: number of ranks.
+        nproc_per_node: ranks per (pretended) host: rank ``r`` gets ``LOCAL_RANK`` =
+            ``r % nproc_per_node`` and ``GROUP_RANK`` = ``r // nproc_per_node``, as on
+            that many machines (but every link is loopback); default: one host.
+    """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    return _LocalPlacement(nprocs)
+    per_node = nprocs if nproc_per_node is None else nproc_per_node
+    if per_node < 1 or nprocs % per_node:
+        raise ValueError(f"nproc_per_node must divide nprocs ({nprocs}), got {nproc_per_node}")
+    return _LocalPlacement(nprocs, per_node)
 
 
 def resolve_target(target: str) -> Callable[..., Any]:
@@ -161,28 +177,41 @@ def _free_port(addr: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` exits (Linux 5.3+)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 class _Rank:
-    """One child process and the thread that copies its output to a log."""
+    """One child process and the thread that copies its output to a log; with no log,
+    the process writes straight to this process's stdout and stderr."""
 
     def __init__(
-        self, rank: int, cmd: list[str], env: dict[str, str], log: Path, echo: bool,
+        self, rank: int, cmd: list[str], env: dict[str, str], log: Path | None, echo: bool,
         on_line: Callable[[int, str], bool] | None,
     ):
         self.rank = rank
         self._on_line = on_line
         self.log = log
+        piped = log is not None
         self.proc = subprocess.Popen(
             cmd,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE if piped else None,
+            stderr=subprocess.STDOUT if piped else None,
             start_new_session=True,  # so that killing it takes its children too
         )
-        self._thread = threading.Thread(target=self._pump, args=(echo,), daemon=True)
-        self._thread.start()
+        self.pidfd = _pidfd(self.proc.pid)
+        self._thread: threading.Thread | None = None
+        if piped:
+            self._thread = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+            self._thread.start()
 
     def _pump(self, echo: bool) -> None:
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.log is not None
         with open(self.log, "wb") as out:
             for line in iter(self.proc.stdout.readline, b""):
                 if self._on_line is not None and self._on_line(
@@ -200,7 +229,14 @@ class _Rank:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
 
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
     def last_line(self) -> str:
+        if self._thread is None or self.log is None:
+            return ""  # its output went to the terminal, where the reader sees it
         self._thread.join(timeout=2.0)
         try:
             text = self.log.read_text(errors="replace")
@@ -274,56 +310,25 @@ def launch(
         if nprocs is None:
             raise ValueError("launch needs nprocs or placement")
         placement = local_placement(nprocs)
-    specs = list(placement.ranks())
-    world = len(specs)
-    per_host: dict[int, int] = {}
-    for spec in specs:
-        per_host[spec.host] = per_host.get(spec.host, 0) + 1
-    # A placement whose master lives in another network namespace picks the port there.
-    free_port = getattr(placement, "free_port", None)
-    port = free_port() if callable(free_port) else _free_port(placement.master_addr)
     name = _target_name(target)
 
     with tempfile.TemporaryDirectory(prefix="autotune-launch-") as tmp:
         tmpdir = Path(tmp)
         (tmpdir / "kwargs.json").write_text(json.dumps(dict(kwargs or {})))
-        ranks: list[_Rank] = []
-        base_env = dict(os.environ)
-        base_env.update(env or {})
+        rank_env = dict(env or {})
         # Ranks must import the same code as this process, wherever it was imported from.
         paths = [p for p in sys.path if p]
         if "" in sys.path or not sys.path:
             paths.insert(0, os.getcwd())
-        base_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        try:
-            for rank, spec in enumerate(specs):
-                rank_env = dict(base_env)
-                rank_env.update(
-                    RANK=str(rank),
-                    WORLD_SIZE=str(world),
-                    LOCAL_RANK=str(spec.local_rank),
-                    LOCAL_WORLD_SIZE=str(per_host[spec.host]),
-                    GROUP_RANK=str(spec.host),
-                    MASTER_ADDR=placement.master_addr,
-                    MASTER_PORT=str(port),
-                    AUTOTUNE_BACKEND=backend,
-                    **{PG_TIMEOUT_ENV: str(pg_timeout)},
-                    AUTOTUNE_MACHINE_RANKS=str(world),  # every rank of a launch is here
-                    PYTHONUNBUFFERED="1",
-                )
-                rank_env.update(spec.env)
-                cmd = [*spec.prefix, sys.executable, "-m", "autotune.launch",
-                       "--target", name, "--workdir", str(tmpdir)]
-                ranks.append(
-                    _Rank(rank, cmd, rank_env, tmpdir / f"rank{rank}.log", echo, on_line)
-                )
-            _supervise(ranks, timeout)
-        finally:
-            for r in ranks:
-                r.kill(signal.SIGKILL)
-            for r in ranks:
-                with contextlib.suppress(Exception):
-                    r.proc.wait(timeout=5)
+        rank_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        rank_env.update(AUTOTUNE_BACKEND=backend, **{PG_TIMEOUT_ENV: str(pg_timeout)})
+        launch_command(
+            [sys.executable, "-m", "autotune.launch", "--target", name,
+             "--workdir", str(tmpdir)],
+            placement, log_dir=tmpdir, timeout=timeout, env=rank_env, echo=echo,
+            on_line=on_line,
+        )
+        world = len(placement.ranks())
         results = []
         for rank in range(world):
             path = tmpdir / f"result{rank}.json"
@@ -333,34 +338,145 @@ def launch(
         return results
 
 
+def launch_command(
+    command: Sequence[str],
+    placement: Placement,
+    *,
+    log_dir: Path,
+    timeout: float = math.inf,
+    env: Mapping[str, str] | None = None,
+    stream_rank0: bool = False,
+    echo: bool = False,
+    on_line: Callable[[int, str], bool] | None = None,
+    stop_grace_s: float = 0.0,
+) -> None:
+    """Run ``command`` once per rank of ``placement``, each with torchrun's environment.
+
+    Every rank's process gets this process's environment, then ``env``, then
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT`` (a port free on the master's host),
+    ``PYTHONUNBUFFERED=1`` and ``AUTOTUNE_MACHINE_RANKS`` (the ranks sharing this
+    machine: all of them), then the placement's own variables; the command runs behind
+    the placement's prefix (e.g. in an emulated host's network namespace). The command
+    itself initialises its process group, as under torchrun.
+
+    The job ends when every rank has exited; when one fails, the others get
+    :data:`FAILURE_GRACE_S` seconds to notice and exit, then are ended. On any way out
+    (success, failure, timeout, an exception such as ``KeyboardInterrupt`` in this
+    process) no rank is left running.
+
+    Args:
+        command: the argument vector every rank runs, e.g. ``[sys.executable, "train.py"]``.
+        placement: where ranks run (:func:`local_placement` or an emulated cluster).
+        log_dir: an existing directory; rank ``r``'s output (stdout and stderr) goes to
+            ``log_dir/rank<r>.log``.
+        timeout: seconds the whole job may take.
+        env: extra environment for every rank.
+        stream_rank0: rank 0 writes straight to this process's stdout and stderr (live,
+            through the same terminal) instead of to its log file.
+        echo: copy every logged rank's output to stderr, prefixed with its rank.
+        on_line: called with (rank, line) for each line a logged rank prints; returning
+            True consumes the line (it is neither logged nor echoed).
+        stop_grace_s: ranks being ended get SIGTERM, then SIGKILL once this many
+            seconds have passed; 0 sends SIGKILL at once.
+
+    Raises:
+        RankFailure: a rank failed (its ``rank`` and ``returncode`` are set), stalled,
+            or the job ran past ``timeout``.
+    """
+    specs = list(placement.ranks())
+    world = len(specs)
+    per_host: dict[int, int] = {}
+    for spec in specs:
+        per_host[spec.host] = per_host.get(spec.host, 0) + 1
+    # A placement whose master lives in another network namespace picks the port there.
+    free_port = getattr(placement, "free_port", None)
+    port = free_port() if callable(free_port) else _free_port(placement.master_addr)
+    base_env = dict(os.environ)
+    base_env.update(env or {})
+    ranks: list[_Rank] = []
+    try:
+        for rank, spec in enumerate(specs):
+            rank_env = dict(base_env)
+            rank_env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(spec.local_rank),
+                LOCAL_WORLD_SIZE=str(per_host[spec.host]),
+                GROUP_RANK=str(spec.host),
+                MASTER_ADDR=placement.master_addr,
+                MASTER_PORT=str(port),
+                AUTOTUNE_MACHINE_RANKS=str(world),  # every rank of a launch is here
+                PYTHONUNBUFFERED="1",
+            )
+            rank_env.update(spec.env)
+            log = None if stream_rank0 and rank == 0 else log_dir / f"rank{rank}.log"
+            ranks.append(_Rank(rank, [*spec.prefix, *command], rank_env, log, echo, on_line))
+        _supervise(ranks, timeout)
+    finally:
+        _end(ranks, stop_grace_s)
+
+
+def _wait_for_exit(ranks: list[_Rank], seconds: float) -> None:
+    """Sleep until a running rank exits or ``seconds`` pass.
+
+    With pidfds the wake-up comes within microseconds of an exit, so the ranks one sweep
+    finds exited did exit together, and the first failure seen is the first that
+    happened (the failing rank, not the peer whose collective then broke). Without
+    them, a short sleep keeps that order likely.
+    """
+    running = [r for r in ranks if r.proc.returncode is None]
+    fds = [r.pidfd for r in running if r.pidfd is not None]
+    if running and len(fds) == len(running):
+        select.select(fds, [], [], min(max(seconds, 0.0), 1.0))
+    else:
+        time.sleep(min(max(seconds, 0.0), 0.02))
+
+
+def _end(ranks: list[_Rank], grace_s: float) -> None:
+    """End every rank still running (SIGTERM first when ``grace_s`` > 0), and reap it."""
+    try:
+        if grace_s > 0 and any(r.proc.poll() is None for r in ranks):
+            for r in ranks:
+                r.kill(signal.SIGTERM)
+            until = time.monotonic() + grace_s
+            while any(r.proc.poll() is None for r in ranks) and time.monotonic() < until:
+                _wait_for_exit(ranks, until - time.monotonic())
+    finally:  # a second Ctrl-C during the grace period still kills every rank
+        for r in ranks:
+            r.kill(signal.SIGKILL)
+        for r in ranks:
+            with contextlib.suppress(Exception):
+                r.proc.wait(timeout=5)
+            r.close()
+
+
 def _supervise(ranks: list[_Rank], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     failed: list[_Rank] = []  # ranks that exited non-zero, in the order seen
-    grace_end = float("inf")
+    grace_end = math.inf
     while True:
         codes = [r.proc.poll() for r in ranks]
         failed += [r for r, c in zip(ranks, codes) if c not in (None, 0) and r not in failed]
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
-        if failed and grace_end == float("inf"):
+        if failed and grace_end == math.inf:
             grace_end = now + FAILURE_GRACE_S
         if now > grace_end:
             break
         if now > deadline:
             running = [r.rank for r, c in zip(ranks, codes) if c is None]
-            for r in ranks:
-                r.kill(signal.SIGKILL)
             raise RankFailure(
                 f"job ran past its {timeout:.0f} s timeout; ranks {running} were still "
                 "running and have been killed"
             )
-        time.sleep(0.02)
+        _wait_for_exit(ranks, min(grace_end, deadline) - now + 0.001)
     if failed:
-        raise RankFailure(_blame(failed, [r for r in ranks if r.proc.poll() is None]))
+        raise _blame(failed, [r for r in ranks if r.proc.poll() is None])
 
 
-def _blame(failed: list[_Rank], running: list[_Rank]) -> str:
+def _blame(failed: list[_Rank], running: list[_Rank]) -> RankFailure:
     """Which rank ended the job, and why, in one line.
 
     A rank that stalls makes its peers' collectives time out: they exit first, so the
@@ -374,15 +490,18 @@ def _blame(failed: list[_Rank], running: list[_Rank]) -> str:
         names = ", ".join(str(r.rank) for r in running)
         how = " (stopped by a signal)" if all(r.stopped() for r in running) else ""
         victim = waited[0]
-        return (
+        return RankFailure(
             f"rank{'s' if len(running) > 1 else ''} {names} stalled{how}: still running but "
             f"silent when rank {victim.rank} gave up waiting for {'them' if len(running) > 1 else 'it'}; "
-            f"killed. rank {victim.rank}: {lines[victim.rank]}"
+            f"killed. rank {victim.rank}: {lines[victim.rank]}",
+            rank=victim.rank, returncode=victim.proc.returncode,
         )
     cause = next((r for r in failed if (r.proc.returncode or 0) < 0), failed[0])
     detail = lines[cause.rank]
-    return f"rank {cause.rank} {_describe_exit(cause.proc.returncode or 0)}" + (
-        f": {detail}" if detail else ""
+    return RankFailure(
+        f"rank {cause.rank} {_describe_exit(cause.proc.returncode or 0)}"
+        + (f": {detail}" if detail else ""),
+        rank=cause.rank, returncode=cause.proc.returncode,
     )
 
 

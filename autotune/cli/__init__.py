@@ -6,7 +6,8 @@ Each subcommand lives in a module of this package with two functions:
 module and append its ``add_<name>_parser`` to :data:`SUBCOMMANDS`.
 
 Exit status: 0 success, 1 failure (e.g. a rank of the job failed), 2 bad input (any other
-:class:`~autotune.errors.AutotuneError`, a bad path, a usage error), 130 interrupted.
+:class:`~autotune.errors.AutotuneError`, a bad path, a usage error), 130 interrupted;
+``autotune launch`` exits with its script's status instead of 1 when a rank fails.
 Errors are reported as exactly one line, ``autotune: error: <message>``, on stderr, never
 as a traceback. Heavy imports (torch, optuna, scikit-learn) happen inside ``cmd_<name>``.
 """
@@ -32,6 +33,7 @@ from autotune.cli._base import (
 )
 from autotune.cli.bench import add_bench_parser
 from autotune.cli.demo import add_demo_parser
+from autotune.cli.launch import add_launch_parser
 from autotune.cli.profile import add_profile_parser
 from autotune.cli.report import add_report_parser
 from autotune.cli.show import add_show_parser
@@ -52,6 +54,7 @@ SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
     add_show_parser,
     add_report_parser,
     add_demo_parser,
+    add_launch_parser,
 ]
 """Parser builders of the subcommands, in the order ``--help`` lists them."""
 
