@@ -23,14 +23,15 @@ from autotune.errors import (
 
 if TYPE_CHECKING:
     from autotune import compressors, workloads
+    from autotune.online import wrap
     from autotune.policies import Policy, load_policy
-    from autotune.runtime import AutotuneDDP, wrap
+    from autotune.runtime import AutotuneDDP
     from autotune.workloads import Workload
 
 # public name -> module that defines it
 _LAZY = {
     "AutotuneDDP": "autotune.runtime",
-    "wrap": "autotune.runtime",
+    "wrap": "autotune.online",  # the runtime's wrap, with online revision when asked
     "Policy": "autotune.policies",
     "load_policy": "autotune.policies",
     "Workload": "autotune.workloads",

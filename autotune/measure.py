@@ -31,6 +31,8 @@ __all__ = ["Setup", "rank_measure", "summarize"]
 # communication hooks, the compute-only floor.
 KINDS = ("ddp", "policy", "hook", "floor")
 HOOKS = ("fp16", "bf16", "powersgd")
+# What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
+Wrap = Callable[..., torch.nn.Module]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class Setup:
     bucket_cap_mb: float | None = None  # for "ddp" and "hook"; None: DDP's default buckets
     hook: str | None = None  # for kind "hook": one of HOOKS
     rank: int = 1  # PowerSGD's matrix approximation rank, for hook "powersgd"
-    online: dict[str, Any] | None = None  # for kind "policy": wrap(online=True, **online)
+    # For kind "policy": wrap(online=True, **online); measured by autotune.online.rank_measure
+    online: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -143,7 +146,7 @@ def _stock_hook(
     return model, note, timer
 
 
-def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
+def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) -> _Runner:
     module = copy.deepcopy(base)
     note = ""
     timer = None
@@ -156,10 +159,11 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float) -> _Runner:
         model, note, timer = _stock_hook(setup, module)
     else:
         from autotune.policies import Policy
-        from autotune.runtime import wrap
+        from autotune.runtime import wrap as runtime_wrap
 
         policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
-        model = wrap(module, policy, **({"online": True, **setup.online} if setup.online else {}))
+        online = {"online": True, **setup.online} if setup.online else {}
+        model = (wrap or runtime_wrap)(module, policy, **online)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     return _Runner(setup, model, module, optimizer, note=note, timer=timer)
 
@@ -187,6 +191,7 @@ def rank_measure(
     min_rounds: int | None = None,
     budget_s: float | None = None,
     separate: Sequence[str] | None = None,
+    wrap: Wrap | None = None,
 ) -> dict[str, Any]:
     """Run every set-up for ``rounds`` interleaved blocks of ``block`` steps.
 
@@ -210,6 +215,9 @@ def rank_measure(
         min_rounds: rounds every set-up runs before any is dropped (default: ``rounds``).
         budget_s: seconds of measurement after which it stops (None: no limit).
         separate: the set-ups that may win (None: measure all for ``rounds`` rounds).
+        wrap: what applies a set-up's policy (None: :func:`autotune.runtime.wrap`). Set-ups
+            that revise online need one that takes ``online=True``: launch
+            :func:`autotune.online.rank_measure`, which passes :func:`autotune.online.wrap`.
 
     Returns:
         On every rank: per set-up, the slowest rank's time of each measured step, and
@@ -218,9 +226,14 @@ def rank_measure(
     """
     from autotune.workloads import resolve_workload
 
+    parsed = [Setup.from_dict(s) for s in setups]
+    online = [s.name for s in parsed if s.online]
+    if online and wrap is None:
+        raise AutotuneError(f"set-up(s) {', '.join(online)} revise their policy online: measure "
+                            "them with autotune.online.rank_measure, which attaches the controller")
     set_rank_threads(threads)
     work = resolve_workload(workload)
-    runners = [_build(Setup.from_dict(s), work.model, lr) for s in setups]
+    runners = [_build(s, work.model, lr, wrap) for s in parsed]
     for runner in runners:
         for _ in range(warmup):
             _run_step(runner, work.make_batch, work.loss_fn)

@@ -74,7 +74,7 @@ def rank_online(workload: str, policy: dict[str, Any], profile: str, steps: int,
 
 def _measure(cluster: EmulatedCluster, workload: str, setups: list[dict[str, Any]],
              rounds: int, block: int) -> dict[str, list[float]]:
-    result = launch("autotune.measure:rank_measure", placement=cluster, timeout=3600,
+    result = launch("autotune.online:rank_measure", placement=cluster, timeout=3600,
                     kwargs={"workload": workload, "setups": setups, "rounds": rounds, "block": block})[0]
     return {r["name"]: r["step_s"] for r in result["results"]}
 

@@ -9,13 +9,17 @@ a user changes one line::
 
 The communication state (error feedback, PowerSGD's Q, the step counter) is checkpointed
 separately, as with PyTorch's ``PowerSGDState``: ``model.comm_state.state_dict()``.
+
+This is the runtime alone. ``autotune.wrap`` (:func:`autotune.online.wrap`) is this
+wrap, and with ``online=True`` it attaches a controller through the one step-boundary
+callback :class:`AutotuneDDP` keeps (:meth:`AutotuneDDP.on_step_boundary`); the runtime
+imports nothing of online revision.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.algorithms.join import JoinHook
@@ -25,9 +29,7 @@ from autotune.errors import AutotuneError, PolicyError
 from autotune.policies import Policy, load_policy
 from autotune.runtime.hook import AutotuneState, dispatch_hook
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["AutotuneDDP", "wrap"]
+__all__ = ["AutotuneDDP", "as_policy", "check_wrappable", "wrap"]
 
 
 class AutotuneDDP(DistributedDataParallel):
@@ -50,58 +52,37 @@ class AutotuneDDP(DistributedDataParallel):
         *,
         compress_from_step: int = 2,
         guard: bool = True,
-        online: bool = False,
-        profile: Any = None,
-        online_options: Mapping[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        if "bucket_cap_mb" in ddp_kwargs:
-            raise PolicyError(
-                "bucket_cap_mb comes from the policy "
-                f"(bucket_cap_mb={policy.bucket_cap_mb:g}); change it there, not in wrap()"
-            )
-        policy.check(module).raise_if_unknown()
-        _refuse_sparse_gradients(module)
-        if online:
-            # A bad or foreign profile, or an unknown knob, fails here, before DDP is built.
-            from autotune.online import OnlineConfig
-            from autotune.probes.profile import Profile, load_profile
-
-            if profile is None:
-                raise PolicyError("online=True needs profile= (the profile the policy was tuned on, "
-                                  "or any profile of this job): revisions are predicted from it")
-            if not isinstance(profile, Profile):
-                profile = load_profile(profile)
-            profile.check_model(module, "the wrapped model")
-            try:
-                config = OnlineConfig(**dict(online_options or {}))
-            except TypeError as exc:  # an unknown knob
-                raise PolicyError(f"online options: {exc}") from None
-        elif online_options:
-            raise PolicyError(f"{', '.join(sorted(online_options))} apply only with online=True")
+        check_wrappable(module, policy, ddp_kwargs)
         super().__init__(module, bucket_cap_mb=policy.bucket_cap_mb, **ddp_kwargs)
         self.comm_state = AutotuneState(
             policy, self.module, self.process_group, compress_from_step=compress_from_step,
             guard=guard,
         )
         self.register_comm_hook(self.comm_state, dispatch_hook)
-        # Online revision is opt-in; its controller (and with it the cost model and the
-        # search) loads only then, keeping the training path light.
+        # Called at the start of every training forward (see on_step_boundary).
+        self._step_boundary: Callable[[], None] | None = None
+        # What revises the policy while training (autotune.online attaches one), or None.
         self.controller: Any = None
-        if online:
-            from autotune.online import Controller
 
-            if profile.world_size != self.comm_state.world_size:
-                logger.warning("the profile was taken on %d rank(s), this job has %d: revisions "
-                               "are predicted for the profiled world size", profile.world_size,
-                               self.comm_state.world_size)
-            self.controller = Controller(self.comm_state, profile, config, self.process_group)
+    def on_step_boundary(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` at the start of every training forward: between steps,
+        never inside a backward pass, so it may switch the policy (``comm_state.
+        set_policy``). Evaluation passes (no grad, or eval mode) are not steps. Online
+        revision registers its controller's check here.
+
+        Raises:
+            AutotuneError: a callback is registered already (one per model).
+        """
+        if self._step_boundary is not None:
+            raise AutotuneError(f"a step-boundary callback is registered already "
+                                f"({self._step_boundary!r}); a model takes one")
+        self._step_boundary = callback
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        # Between steps: where the online controller may switch policies, never inside
-        # a backward pass. Evaluation passes (no grad, or eval mode) are not steps.
-        if self.controller is not None and self.training and torch.is_grad_enabled():
-            self.controller.boundary()
+        if self._step_boundary is not None and self.training and torch.is_grad_enabled():
+            self._step_boundary()
         out = super().forward(*inputs, **kwargs)
         if self.training and torch.is_grad_enabled():
             self.comm_state.forward_done()
@@ -127,6 +108,23 @@ class AutotuneDDP(DistributedDataParallel):
     def policy(self) -> Policy:
         """The policy being applied."""
         return self.comm_state.policy
+
+
+def check_wrappable(module: torch.nn.Module, policy: Policy, ddp_kwargs: Mapping[str, Any]) -> None:
+    """The checks :class:`AutotuneDDP` makes before it builds DDP.
+
+    Raises:
+        PolicyError: ``ddp_kwargs`` sets ``bucket_cap_mb`` (the policy does), or the policy
+            names parameters the module lacks.
+        AutotuneError: the module has a sparse-gradient embedding.
+    """
+    if "bucket_cap_mb" in ddp_kwargs:
+        raise PolicyError(
+            "bucket_cap_mb comes from the policy "
+            f"(bucket_cap_mb={policy.bucket_cap_mb:g}); change it there, not in wrap()"
+        )
+    policy.check(module).raise_if_unknown()
+    _refuse_sparse_gradients(module)
 
 
 def _refuse_sparse_gradients(module: torch.nn.Module) -> None:
@@ -159,40 +157,32 @@ class _JoinHook(JoinHook):
         self._inner.post_hook(is_last_joiner)
 
 
+def as_policy(policy: Policy | str | os.PathLike[str] | None) -> Policy:
+    """``policy`` as a :class:`Policy`: itself, loaded from a path, or plain averaging for None.
+
+    Raises:
+        PolicyError: the file is not a valid policy.
+    """
+    if policy is None:
+        return Policy()
+    return policy if isinstance(policy, Policy) else load_policy(policy)
+
+
 def wrap(
     model: torch.nn.Module,
     policy: Policy | str | os.PathLike[str] | None = None,
-    *,
-    online: bool = False,
-    profile: Any = None,
     **kwargs: Any,
 ) -> AutotuneDDP:
-    """Wrap ``model`` for data-parallel training under ``policy``.
+    """Wrap ``model`` for data-parallel training under ``policy``, without online revision
+    (``autotune.wrap`` adds it: :func:`autotune.online.wrap`).
 
     Args:
         model: the model, already on its device; the process group must be initialised.
         policy: a :class:`Policy`, a path to policy JSON, or None for plain averaging.
-        online: revise the policy while training when the cluster changes (see
-            :mod:`autotune.online.controller`); needs ``profile``. Every rank must run
-            the same number of forward passes (no ``join()`` with uneven inputs).
-        profile: with ``online``: a :class:`~autotune.probes.profile.Profile` or path.
-        **kwargs: online knobs (``check_every``, ``threshold``, ``link_threshold``, ``patience``,
-            ``budget_s``, ``trials``, ``min_gain``, ``max_error``, ``pinned``,
-            ``lead_steps``, ``log``: see :class:`~autotune.online.OnlineConfig`),
-            ``compress_from_step``, ``guard``, and any ``DistributedDataParallel`` argument
-            (``device_ids``, ``find_unused_parameters``, ...).
+        **kwargs: ``compress_from_step``, ``guard``, and any ``DistributedDataParallel``
+            argument (``device_ids``, ``find_unused_parameters``, ...).
 
     Raises:
         PolicyError: the policy is malformed or names parameters the model lacks.
     """
-    if policy is None:
-        policy = Policy()
-    elif not isinstance(policy, Policy):
-        policy = load_policy(policy)
-    online_options = {k: kwargs.pop(k) for k in list(kwargs) if k in _ONLINE_KNOBS}
-    return AutotuneDDP(model, policy, online=online, profile=profile,
-                       online_options=online_options, **kwargs)
-
-
-_ONLINE_KNOBS = frozenset({"check_every", "threshold", "link_threshold", "patience", "budget_s", "trials",
-                           "min_gain", "max_error", "pinned", "lead_steps", "log"})
+    return AutotuneDDP(model, as_policy(policy), **kwargs)
