@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -13,7 +13,9 @@ from rich.text import Text
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console
 from autotune.errors import PolicyError
 from autotune.jsonio import read_json
-from autotune.policies import Policy
+
+if TYPE_CHECKING:
+    from autotune.policies import Policy
 
 
 def add_show_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
@@ -54,6 +56,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         else:
             print_profile(console(), profile)
         return EXIT_OK
+    from autotune.policies import Policy
+
     policy = Policy.from_dict(data, source=args.policy)
     if args.json:
         sys.stdout.write(policy.to_json() + "\n")

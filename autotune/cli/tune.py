@@ -12,6 +12,7 @@ from rich.table import Table
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import check_out_path, placement
+from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_MAX_ERROR
 
 
 def _max_error(text: str) -> float:
@@ -35,9 +36,6 @@ def _positive_seconds(text: str) -> float:
 
 
 def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
-    from autotune.search.tuner import DEFAULT_MAX_ERROR
-    from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES
-
     parser = add_command(
         subparsers,
         "tune",

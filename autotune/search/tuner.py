@@ -32,17 +32,13 @@ from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
 from autotune.presets import PRESETS
 from autotune.probes.profile import Profile
+from autotune.search.defaults import DEFAULT_MAX_ERROR
 from autotune.search.space import ErrorModel, SearchSpace
 
 __all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneResult", "baselines", "tune"]
 
 logger = logging.getLogger(__name__)
 
-# The default compression-error budget; bench/convergence.py is its justification:
-# digits trained 12 epochs under policies of error <= 0.6 ends within a point of plain
-# DDP on average over paired seeds; policies of error 0.6-0.73 (PowerSGD rank 1) lose
-# 1.3-2.1 points.
-DEFAULT_MAX_ERROR = 0.6
 REFINE_LAYERS = 48  # largest tensors refined one by one
 
 

@@ -19,14 +19,12 @@ from typing import Any, Sequence
 from autotune.launch import Placement, launch
 from autotune.policies import Policy
 from autotune.presets import PRESETS
+from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES
 from autotune.search.tuner import Candidate, TuneResult
 from autotune.trials import decide
 
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "model_accuracy",
            "verify_result"]
-
-DEFAULT_CANDIDATES = 4  # tuned candidates measured (besides the presets)
-DEFAULT_BUDGET_S = 60.0  # measurement time after which the best median so far wins
 
 
 def candidates(result: TuneResult, k: int) -> list[Candidate]:

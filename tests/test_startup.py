@@ -1,0 +1,66 @@
+"""What starting autotune imports: ``autotune --help`` and ``autotune show`` load no heavy
+library they do not need, and the training path never loads optuna or scikit-learn.
+
+Checked by module name in a fresh interpreter (``-X importtime`` lists every module it
+imports), not by timing: this machine's CPU speed drifts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli_show import POLICY
+from test_models import synthetic_profile
+
+from autotune.policies import Policy
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "optuna", "sklearn")
+
+
+def imported(*argv: str) -> set[str]:
+    """The top-level packages ``python -X importtime *argv`` imports (it must exit 0)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = set()
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rpartition("|")[2].strip().split(".")[0])
+    assert "autotune" in names, "no import was listed: is -X importtime still the format?"
+    return names
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["tune", "--help"], ["--version"]])
+def test_help_imports_no_torch_optuna_or_sklearn(argv: list[str]) -> None:
+    heavy = set(HEAVY) & imported("-m", "autotune", *argv)
+    assert not heavy, f"autotune {' '.join(argv)} imported {sorted(heavy)}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("show")
+    Policy.from_dict(POLICY).save(d / "policy.json")
+    synthetic_profile("mlp").save(d / "profile.json")
+    return {"policy": d / "policy.json", "profile": d / "profile.json"}
+
+
+@pytest.mark.parametrize("kind", ["policy", "profile"])
+def test_show_imports_no_optuna_or_sklearn(files: dict[str, Path], kind: str) -> None:
+    heavy = {"optuna", "sklearn"} & imported("-m", "autotune", "show", str(files[kind]))
+    assert not heavy, f"autotune show {kind}.json imported {sorted(heavy)}"
+
+
+@pytest.mark.xfail(strict=True, reason="validating a policy loads the compressor registry, whose "
+                                       "modules import torch when they are imported")
+def test_show_imports_no_torch(files: dict[str, Path]) -> None:
+    assert "torch" not in imported("-m", "autotune", "show", str(files["policy"]))
+
+
+def test_the_training_path_imports_no_optuna_or_sklearn() -> None:
+    heavy = {"optuna", "sklearn"} & imported(
+        "-c", "import autotune; autotune.wrap, autotune.Policy, autotune.AutotuneDDP")
+    assert not heavy, f"the training path imported {sorted(heavy)}"
