@@ -5,11 +5,13 @@ from __future__ import annotations
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from autotune import compressors
 from autotune.compressors import CompressorSpec, LocalComm
+from autotune.compressors.base import AllreduceCompressor, ErrorFeedbackCompressor
 from autotune.errors import CompressorError
 
 # (name, params, relative error allowed on one round trip of a random gradient, in a
@@ -73,6 +75,96 @@ def test_wire_bytes_match_what_reduce_hands_to_collectives(name: str, params: di
     assert set(comm.sent) <= kinds
     for shape in SHAPES:
         assert set(comp.wire_messages(shape, 8)) <= kinds
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_group_messages_are_what_reduce_hands_to_each_collective(name: str, params: dict, tol: float) -> None:
+    """The messages the cost model times: per collective kind, what one reduction of the
+    group sends, in the order of the declared stages."""
+    comp = compressors.create(name, **params)
+    _, comm = _round_trip(comp, _grads())
+    messages = comp.group_messages(SHAPES, 1)
+    totals: dict[str, int] = {}
+    for kind, nbytes in messages:
+        totals[kind] = totals.get(kind, 0) + nbytes
+    assert totals == {k: v for k, v in comm.sent.items() if v}
+    order = list(dict.fromkeys(comp.collectives))
+    kinds = list(dict.fromkeys(kind for kind, _ in messages))
+    assert kinds == [k for k in order if k in kinds]
+    assert sum(b for _, b in comp.group_messages(SHAPES, 8)) == sum(comp.wire_bytes(s, 8) for s in SHAPES)
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_codec_features_are_work_columns_of_the_size_knob(name: str, params: dict, tol: float) -> None:
+    cls = compressors.REGISTRY.get(name)
+    comp = cls(**params)
+    assert cls.size_param is None or cls.size_param in cls.params
+    if cls.size_param is not None and not cls.density_dependent:
+        assert cls.codec_param(comp.config) == float(comp.config[cls.size_param])
+    if cls.density_dependent:
+        assert cls.codec_param(comp.config, 0.25) == 0.25 and cls.codec_param(comp.config) == 1.0
+    numel = np.array([10.0, 1e4, 1e6])
+    rows, cols = np.array([10.0, 100.0, 1000.0]), np.array([1.0, 100.0, 1000.0])
+    param = np.full(3, cls.codec_param(comp.config, 0.5))
+    columns = cls.codec_features(np, numel, rows, cols, param)
+    assert all(np.shape(c) == (3,) and np.all(np.isfinite(c)) and np.all(c >= 0) for c in columns)
+    assert np.array_equal(columns[0], np.ones(3))  # a fixed cost per tensor
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_traits_say_what_the_method_does(name: str, params: dict, tol: float) -> None:
+    cls = compressors.REGISTRY.get(name)
+    comp = cls(**params)
+    if cls.needs_matrix:  # tensors that are not matrices travel whole
+        assert comp.wire_bytes((1000,), 4) == 4000
+    if cls.half_precision:  # two bytes an element, summed by allreduce
+        assert comp.wire_messages((1000,), 4) == {"allreduce": 2000}
+    if cls.elementwise:
+        assert isinstance(comp, AllreduceCompressor)
+        assert comp.on_live_rows((64, 8), 4, 2) == comp.spec
+    assert isinstance(comp, ErrorFeedbackCompressor) == ("error_feedback" in cls.params)
+
+
+@pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)
+def test_on_live_rows_does_there_what_the_whole_tensor_gets(name: str, params: dict, tol: float) -> None:
+    """Where a compressor names a configuration for a tensor's live rows, running it on
+    those rows alone gives them what they get inside the whole tensor (whose other rows
+    are zero), step after step (error feedback and warm starts included), up to
+    rounding."""
+    comp = compressors.create(name, **params)
+    live = torch.tensor([0, 3, 9, 17, 18, 33, 40, 41, 63, 64, 90, 100, 101, 110, 126, 127])
+    spec = comp.on_live_rows((128, 48), len(live), 2)
+    if spec is None:
+        pytest.skip(f"{name} has no live-rows equivalent")
+    alone = compressors.create(spec.name, **spec.kwargs)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        rows = torch.randn(len(live), 48, generator=gen)
+        whole = torch.zeros(128, 48)
+        whole[live] = rows
+        comp.reduce([whole], ["p"], LocalComm(2))
+        part = rows.clone()
+        alone.reduce([part], ["p"], LocalComm(2))
+        assert torch.allclose(whole[live], part, rtol=1e-4, atol=1e-5)  # up to rounding
+        dead = whole[torch.ones(128, dtype=torch.bool).index_fill_(0, live, False)]
+        assert dead.abs().max() <= 1e-5  # PowerSGD's QR leaves rounding noise there
+
+
+@pytest.mark.parametrize("name", [n for n in compressors.names()
+                                  if issubclass(compressors.REGISTRY.get(n), ErrorFeedbackCompressor)])
+def test_error_feedback_methods_owe_release_and_reset_their_residuals(name: str) -> None:
+    comp = compressors.create(name)
+    _round_trip(comp, _grads())
+    assert "memory" in comp.state_dict() and set(comp.state_dict()) == set(comp.state_keys)
+    owed = comp.release("p0")
+    assert owed is not None and owed.numel() == _grads()[0].numel()
+    held = len(comp.memory.residuals)
+    assert held >= 1 and comp.reset_error_feedback() == held and comp.memory.residuals == {}
+    with pytest.raises(CompressorError, match=f"unexpected keys in {name} state"):
+        comp.load_state_dict({"memory": {}, "other": {}})
+    off = compressors.create(name, error_feedback=False)
+    _round_trip(off, _grads())
+    assert off.memory.residuals == {} and off.reset_error_feedback() == 0
 
 
 @pytest.mark.parametrize("name,params,tol", COMPRESSORS, ids=IDS)

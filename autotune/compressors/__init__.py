@@ -26,6 +26,7 @@ from autotune.compressors.base import (
     register,
 )
 from autotune.compressors.comm import Comm, GroupComm, LocalComm
+from autotune.compressors.none import PLAIN
 
 __all__ = [
     "Compressor",
@@ -34,6 +35,7 @@ __all__ = [
     "Comm",
     "GroupComm",
     "LocalComm",
+    "PLAIN",
     "REGISTRY",
     "create",
     "names",

@@ -26,6 +26,8 @@ from autotune.errors import CompressorError
 
 __all__ = [
     "AllreduceCompressor",
+    "ErrorFeedbackCompressor",
+    "ERROR_FEEDBACK",
     "Collective",
     "Param",
     "Compressor",
@@ -151,8 +153,9 @@ class Compressor(ABC):
     """Reduce a group of gradients across ranks, compressed.
 
     Subclasses set the class attributes and implement :meth:`reduce` and
-    :meth:`wire_messages`; error-feedback compressors keep their memory in
-    :class:`~autotune.compressors.memory.ErrorFeedback` and include it in their state.
+    :meth:`wire_messages`; the class attributes and the other methods describe the
+    method to the cost model, the search and the codec probe, none of which name a
+    method. Error-feedback methods derive from :class:`ErrorFeedbackCompressor`.
     """
 
     name: ClassVar[str]
@@ -169,6 +172,18 @@ class Compressor(ABC):
     # its non-zero rows), not on its shape alone: wire_messages reads ``density``, and
     # the codec probe times them on the captured gradients and records the density
     density_dependent: ClassVar[bool] = False
+    # True for methods that act on each element alone, in one allreduce: they cost next
+    # to nothing, so the search offers them to small tensors too
+    elementwise: ClassVar[bool] = False
+    # True for methods that compress matrices only (a gradient viewed as shape[0] x the
+    # rest; others travel whole): the search offers them to matrix groups only
+    needs_matrix: ClassVar[bool] = False
+    # True for methods whose allreduce sums 2-byte floats, which gloo does on the CPU
+    # (the cost model's residual counts those bytes)
+    half_precision: ClassVar[bool] = False
+    # the parameter that sets a configuration's bytes and work (PowerSGD's rank, top-k's
+    # ratio, int8's block), the cost model's fourth codec feature; None: there is none
+    size_param: ClassVar[str | None] = None
 
     def __init__(self, **kwargs: Any) -> None:
         self.config: dict[str, Any] = REGISTRY.validate(self.name, kwargs)
@@ -203,6 +218,60 @@ class Compressor(ABC):
         """Total bytes this rank hands to collectives for one tensor of ``shape``."""
         return sum(self.wire_messages(shape, world_size, density).values())
 
+    def group_messages(
+        self, shapes: Sequence[Shape], world_size: int,
+        densities: Sequence[float | None] | None = None,
+    ) -> list[tuple[Collective, int]]:
+        """The collectives one reduction of a group of tensors of ``shapes`` issues, in
+        order, with the bytes this rank hands to each; what the cost model times.
+
+        By default one message per collective kind, in the order of :attr:`collectives`,
+        carrying :meth:`wire_messages` summed over the tensors; kinds that carry nothing
+        are left out. ``densities`` (per shape, None: dense) size data-dependent methods.
+        """
+        totals: dict[Collective, int] = {}
+        for shape, density in zip(shapes, densities or [None] * len(shapes)):
+            for kind, nbytes in self.wire_messages(shape, world_size, density).items():
+                totals[kind] = totals.get(kind, 0) + nbytes
+        return [(kind, totals[kind]) for kind in dict.fromkeys(self.collectives) if kind in totals]
+
+    @classmethod
+    def codec_param(cls, config: Mapping[str, Any], density: float | None = None) -> float:
+        """The fourth of the cost model's codec inputs ``[numel, rows, cols, param]``: the
+        value of :attr:`size_param` in ``config`` (a full configuration), 0 without one;
+        data-dependent methods return the density (None: dense, 1) instead."""
+        if cls.density_dependent:
+            return 1.0 if density is None else float(density)
+        return float(config[cls.size_param]) if cls.size_param is not None else 0.0
+
+    @staticmethod
+    def codec_features(xp: Any, numel: Any, rows: Any, cols: Any, param: Any) -> list[Any]:
+        """Columns proportional to this method's encode+decode work, on which the cost
+        model fits non-negative coefficients.
+
+        Args:
+            xp: the array namespace of the inputs (numpy), so that compressors need not
+                import it.
+            numel, rows, cols, param: arrays of one value per tensor (rows x cols: the
+                matrix view; param: :meth:`codec_param`).
+
+        Returns:
+            The columns. The default, for methods that pass over the elements a fixed
+            number of times: a constant and the element count.
+        """
+        return [xp.ones_like(numel), numel]
+
+    def on_live_rows(self, shape: Shape, live: int, world_size: int) -> CompressorSpec | None:
+        """The configuration that, run on the ``live`` rows of a tensor of ``shape`` that
+        are not zero in every step, does there exactly what this one does on the whole
+        tensor (whose other rows are zero); None where no configuration does.
+
+        The codec probe then measures a large tensor's error on its live rows alone.
+        Methods whose result on a row depends on the zero rows (a scale over every
+        element, blocks that span rows) have none; the default says so.
+        """
+        return None
+
     def release(self, name: str) -> torch.Tensor | None:
         """Forget parameter ``name`` (it moves to another compressor) and return what
         its error feedback still owed, to be added to its next gradient; None if
@@ -210,11 +279,9 @@ class Compressor(ABC):
         return None
 
     def reset_error_feedback(self) -> int:
-        """Drop every residual of the error feedback (kept in ``self.memory``, an
-        :class:`~autotune.compressors.memory.ErrorFeedback`, by the compressors that
-        have one); returns how many were dropped. State every rank shares stays."""
-        memory = getattr(self, "memory", None)
-        return memory.clear() if isinstance(memory, ErrorFeedback) else 0
+        """Drop every residual of the error feedback; returns how many were dropped.
+        State every rank shares stays. Methods without error feedback have none."""
+        return 0
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (error feedback, warm starts, random state); tensors only."""
@@ -243,6 +310,7 @@ class AllreduceCompressor(Compressor):
 
     collectives: ClassVar[tuple[Collective, ...]] = ("allreduce",)
     guarded: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = True
 
     @abstractmethod
     def encode(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -261,6 +329,72 @@ class AllreduceCompressor(Compressor):
         self.decode(payload, flat)
         with comm.phase("copy_back"):
             unflatten_into(flat, tensors)
+
+    def on_live_rows(self, shape: Shape, live: int, world_size: int) -> CompressorSpec | None:
+        return self.spec  # what happens to a row does not depend on the others
+
+
+# The switch every error-feedback method has, shared so that it reads the same on each.
+ERROR_FEEDBACK = Param(bool, True, doc="add back what the last step dropped")
+
+
+class ErrorFeedbackCompressor(Compressor):
+    """A method that adds back, next step, what its compression dropped this step
+    (``sign``, ``topk``, ``powersgd``).
+
+    The residuals live in ``self.memory``, an
+    :class:`~autotune.compressors.memory.ErrorFeedback` keyed by parameter name and
+    switched by the ``error_feedback`` parameter (:data:`ERROR_FEEDBACK`, which every
+    subclass lists); they are the ``"memory"`` entry of the state, are owed back when a
+    parameter moves to another compressor (:meth:`release`) and are dropped by
+    :meth:`reset_error_feedback`. Subclasses with more state list its keys in
+    :attr:`state_keys` and extend :meth:`state_dict` / :meth:`load_state_dict`.
+    """
+
+    state_keys: ClassVar[tuple[str, ...]] = ("memory",)  # what state_dict holds
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.memory = ErrorFeedback(self.config["error_feedback"])
+
+    def _compensated_flat(self, name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(m, add)``: the flat fp32 tensor this step encodes, ``m + add`` once ``add``
+        (None: nothing) is added in, which encoders do chunk by chunk while each chunk
+        is in cache.
+
+        With error feedback ``m`` is ``name``'s residual, rewritten in place into the new
+        residual, and ``add`` the gradient; on the first step (no residual of the
+        gradient's size) ``m`` is a copy of the gradient, stored as the residual. Without
+        it ``m`` is the gradient itself where it is fp32 (encoders only read it until
+        the payload is taken), else an fp32 copy.
+
+        Args:
+            name: the parameter's name, the key of its residual.
+            grad: its flat gradient.
+        """
+        if not self.memory.enabled:
+            return (grad if grad.dtype == torch.float32 else grad.float()), None
+        m = self.memory.flat_residual(name, grad)
+        if m is None:  # first step: the residual starts as the gradient
+            m = grad.to(torch.float32, copy=True)
+            self.memory.residuals[name] = m
+            return m, None
+        return m, grad
+
+    def release(self, name: str) -> torch.Tensor | None:
+        return self.memory.pop(name)
+
+    def reset_error_feedback(self) -> int:
+        return self.memory.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = set(state) - set(self.state_keys)
+        if unknown:
+            raise CompressorError(f"unexpected keys in {self.name} state: {sorted(unknown)}")
+        self.memory.load_state_dict(state.get("memory", {}))
 
 
 class Registry:

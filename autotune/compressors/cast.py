@@ -23,6 +23,7 @@ class HalfPrecision(AllreduceCompressor):
     """Cast to a 2-byte float, allreduce, cast back. Not error-compensated."""
 
     dtype: ClassVar[torch.dtype]
+    half_precision = True
 
     def encode(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
         return flat.to(self.dtype).div_(world_size)

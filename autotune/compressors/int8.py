@@ -50,6 +50,7 @@ class Int8(Compressor):
         "block": Param(int, 1024, low=8, high=2**24, doc="elements sharing one scale"),
         "seed": Param(int, 0, low=0, high=2**31 - 1, doc="seed of the rounding noise (offset by rank)"),
     }
+    size_param = "block"  # one 4-byte scale per block
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

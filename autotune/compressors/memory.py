@@ -59,6 +59,19 @@ class ErrorFeedback:
         self.residuals[name] = residual
         return residual
 
+    def flat_residual(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """``name``'s residual as a flat, contiguous fp32 tensor on ``grad``'s device
+        (stored back in that form, so that the caller can rewrite it in place), or None
+        if it has none of ``grad``'s size."""
+        residual = self.residuals.get(name)
+        if residual is None or residual.numel() != grad.numel():
+            return None
+        if residual.dtype != torch.float32 or residual.device != grad.device or not residual.is_contiguous():
+            residual = residual.to(grad.device, torch.float32).contiguous()
+        residual = residual.view(-1)
+        self.residuals[name] = residual
+        return residual
+
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Remember what this rank's compression dropped."""
         if self.enabled:

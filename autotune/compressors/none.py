@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from autotune.compressors.base import AllreduceCompressor, Collective, Shape, numel, register
+from autotune.compressors.base import (
+    AllreduceCompressor,
+    Collective,
+    CompressorSpec,
+    Shape,
+    numel,
+    register,
+)
 
-__all__ = ["NoCompression"]
+__all__ = ["NoCompression", "PLAIN"]
 
 
 @register
@@ -27,3 +34,8 @@ class NoCompression(AllreduceCompressor):
         self, shape: Shape, world_size: int, density: float | None = None
     ) -> dict[Collective, int]:
         return {"allreduce": numel(shape) * 4}
+
+
+# DDP's own exact allreduce: a policy's default, what the search and the report call
+# uncompressed (``PLAIN.name`` is also its label)
+PLAIN = CompressorSpec(NoCompression.name)

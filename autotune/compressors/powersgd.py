@@ -13,28 +13,29 @@ the group's Ps, one of all its Qs.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from autotune.compressors.base import (
+    ERROR_FEEDBACK,
     Collective,
-    Compressor,
+    CompressorSpec,
+    ErrorFeedbackCompressor,
     Param,
     Shape,
     numel,
     register,
 )
 from autotune.compressors.comm import Comm
-from autotune.compressors.memory import ErrorFeedback
-from autotune.errors import CompressorError
 
 __all__ = ["PowerSGD"]
 
 
 @register
-class PowerSGD(Compressor):
+class PowerSGD(ErrorFeedbackCompressor):
     """Low-rank compression with error feedback and warm start.
 
     Tuning: start from ``rank=1`` and increase by factors of 2 until accuracy matches
@@ -45,7 +46,7 @@ class PowerSGD(Compressor):
     collectives: tuple[Collective, ...] = ("allreduce", "allreduce", "allreduce")
     params = {
         "rank": Param(int, 1, low=1, high=1024, doc="rank of the approximation"),
-        "error_feedback": Param(bool, True, doc="add back what the last step dropped"),
+        "error_feedback": ERROR_FEEDBACK,
         "warm_start": Param(bool, True, doc="reuse last step's Q instead of a random one"),
         "min_compression_rate": Param(
             float, 2.0, low=1.0, high=1e6,
@@ -53,10 +54,12 @@ class PowerSGD(Compressor):
         ),
         "seed": Param(int, 0, low=0, high=2**31 - 1, doc="seed of the initial Q (same on all ranks)"),
     }
+    needs_matrix = True
+    size_param = "rank"
+    state_keys = ("memory", "q")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.memory = ErrorFeedback(self.config["error_feedback"])
         self.q: dict[str, torch.Tensor] = {}  # warm-start Q per parameter name
 
     def _matrix(self, shape: Shape) -> tuple[int, int, int] | None:
@@ -78,6 +81,43 @@ class PowerSGD(Compressor):
             return {"allreduce": numel(shape) * 4}
         rows, cols, rank = mat
         return {"allreduce": (rows + cols) * rank * 4}
+
+    def group_messages(
+        self, shapes: Sequence[Shape], world_size: int,
+        densities: Sequence[float | None] | None = None,
+    ) -> list[tuple[Collective, int]]:
+        """An allreduce of the tensors sent whole (if any), then one of all the Ps and
+        one of all the Qs (if any matrix is compressed)."""
+        plain = p_bytes = q_bytes = 0
+        for shape in shapes:
+            mat = self._matrix(shape)
+            if mat is None:
+                plain += self.wire_bytes(shape, world_size)
+            else:
+                rows, cols, rank = mat
+                p_bytes += rows * rank * 4
+                q_bytes += cols * rank * 4
+        out: list[tuple[Collective, int]] = [("allreduce", plain)] if plain else []
+        if p_bytes:
+            out += [("allreduce", p_bytes), ("allreduce", q_bytes)]
+        return out
+
+    @staticmethod
+    def codec_features(xp: Any, numel: Any, rows: Any, cols: Any, param: Any) -> list[Any]:
+        # two (rows x cols) @ (cols x r) products, QR of (rows x r), r x (rows+cols) copies
+        rank = xp.maximum(param, 1.0)
+        return [xp.ones_like(numel), numel, numel * rank, (rows + cols) * rank * rank]
+
+    def on_live_rows(self, shape: Shape, live: int, world_size: int) -> CompressorSpec | None:
+        # zero rows of M give zero rows of P = MQ, add nothing to Q = M^T P and keep zero
+        # residuals: the live rows alone do the same if the choice (compress or not, and
+        # the rank) is the same
+        live_shape = (live, *shape[1:])
+        cols = math.prod(shape[1:])
+        rank = self.config["rank"]
+        plain = [self.wire_bytes(s, world_size) == 4 * math.prod(s) for s in (shape, live_shape)]
+        same_rank = min(rank, shape[0], cols) == min(rank, live, cols)
+        return self.spec if plain[0] == plain[1] and same_rank else None
 
     def _initial_q(self, name: str, cols: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by the parameter's name, so every rank starts from the same Q.
@@ -157,19 +197,13 @@ class PowerSGD(Compressor):
 
     def release(self, name: str) -> torch.Tensor | None:
         self.q.pop(name, None)
-        return self.memory.pop(name)
+        return super().release(name)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "memory": self.memory.state_dict(),
-            "q": {k: v.detach().clone() for k, v in self.q.items()},
-        }
+        return {**super().state_dict(), "q": {k: v.detach().clone() for k, v in self.q.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"memory", "q"}
-        if unknown:
-            raise CompressorError(f"unexpected keys in powersgd state: {sorted(unknown)}")
-        self.memory.load_state_dict(state.get("memory", {}))
+        super().load_state_dict(state)
         self.q = {k: v.detach().clone() for k, v in state.get("q", {}).items()}
 
 

@@ -25,13 +25,14 @@ refuses such models (``sparse=False`` with ``rowsparse`` sends the same rows).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from autotune.compressors.base import (
     Collective,
     Compressor,
+    CompressorSpec,
     Param,
     Shape,
     flatten,
@@ -116,6 +117,17 @@ class RowSparse(Compressor):
         if sparse_pays(touched, rows, cols, world_size, size):
             return {"allgather": _COUNT_BYTES + sum(_sparse_words(touched, cols, size)) * 4}
         return {"allgather": _COUNT_BYTES, "allreduce": rows * cols * 4}
+
+    @staticmethod
+    def codec_features(xp: Any, numel: Any, rows: Any, cols: Any, param: Any) -> list[Any]:
+        # a pass over the tensor finding its non-zero rows (a reduction per row), then
+        # work on the rows sent (gathered from every rank, added up): param is their share
+        return [xp.ones_like(numel), numel, rows, numel * xp.minimum(param, 1.0)]
+
+    def on_live_rows(self, shape: Shape, live: int, world_size: int) -> CompressorSpec | None:
+        # exact: zero error on any rows (with half-precision rows it chooses sparse or
+        # dense by the share of live rows, which the live rows alone would change)
+        return None if self.lossy else self.spec
 
     def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
         world = comm.world_size

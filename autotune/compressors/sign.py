@@ -16,14 +16,19 @@ place. Decoding looks each byte up in a 256 x 8 table of ``+-scale / W`` per ran
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-from autotune.compressors.base import Collective, Compressor, Param, Shape, numel, register
+from autotune.compressors.base import (
+    ERROR_FEEDBACK,
+    Collective,
+    ErrorFeedbackCompressor,
+    Shape,
+    numel,
+    register,
+)
 from autotune.compressors.comm import Comm
-from autotune.compressors.memory import ErrorFeedback
-from autotune.errors import CompressorError
 
 __all__ = ["Sign"]
 
@@ -69,17 +74,16 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class Sign(Compressor):
+class Sign(ErrorFeedbackCompressor):
     """Scaled sign compression; 32x fewer bytes than fp32. Keep error feedback on:
     without it sign compression is biased and may not converge."""
 
     name = "sign"
     collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
-    params = {"error_feedback": Param(bool, True, doc="add back what the last step dropped")}
+    params = {"error_feedback": ERROR_FEEDBACK}
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.memory = ErrorFeedback(self.config["error_feedback"])
         # int32 and uint8 buffers of CHUNK elements per device (not state)
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -134,16 +138,7 @@ class Sign(Compressor):
         grad = t.detach().reshape(-1)
         n = grad.numel()
         ef = self.memory.enabled
-        add: torch.Tensor | None = None
-        if ef:
-            m = self._residual(name, grad)
-            if m is None:  # first step: the residual starts as the gradient
-                m = grad.to(torch.float32, copy=True)
-                self.memory.residuals[name] = m
-            else:
-                add = grad
-        else:
-            m = grad if grad.dtype == torch.float32 else grad.float()
+        m, add = self._compensated_flat(name, grad)
         scratch = self._scratch.get(str(m.device))
         if scratch is None:
             scratch = (torch.empty(CHUNK, dtype=torch.int32, device=m.device),
@@ -167,27 +162,3 @@ class Sign(Compressor):
                 torch.bitwise_and(chunk.view(torch.int32), _SIGN_BIT, out=bits).bitwise_or_(scale_bits)
                 chunk.sub_(bits.view(torch.float32))
         return scale
-
-    def _residual(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
-        """``name``'s residual as a flat fp32 tensor on grad's device (stored back in
-        that form), or None if it has none of grad's size."""
-        residual = self.memory.residuals.get(name)
-        if residual is None or residual.numel() != grad.numel():
-            return None
-        if residual.dtype != torch.float32 or residual.device != grad.device or not residual.is_contiguous():
-            residual = residual.to(grad.device, torch.float32).contiguous()
-        residual = residual.view(-1)
-        self.memory.residuals[name] = residual
-        return residual
-
-    def release(self, name: str) -> torch.Tensor | None:
-        return self.memory.pop(name)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"memory"}
-        if unknown:
-            raise CompressorError(f"unexpected keys in sign state: {sorted(unknown)}")
-        self.memory.load_state_dict(state.get("memory", {}))

@@ -41,14 +41,21 @@ Indices stay in ascending order, so that decoding sweeps the output forwards.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-from autotune.compressors.base import Collective, Compressor, Param, Shape, numel, register
+from autotune.compressors.base import (
+    ERROR_FEEDBACK,
+    Collective,
+    CompressorSpec,
+    ErrorFeedbackCompressor,
+    Param,
+    Shape,
+    numel,
+    register,
+)
 from autotune.compressors.comm import Comm
-from autotune.compressors.memory import ErrorFeedback
-from autotune.errors import CompressorError
 
 __all__ = ["TopK"]
 
@@ -61,7 +68,7 @@ MARGIN_SIGMAS = 3.0  # the threshold's margin below the sampled k-th largest, in
 
 
 @register
-class TopK(Compressor):
+class TopK(ErrorFeedbackCompressor):
     """Top-k sparsification. Tuning: ratios of 0.01-0.1 keep accuracy with error
     feedback; below 0.001 convergence usually slows."""
 
@@ -69,12 +76,12 @@ class TopK(Compressor):
     collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
     params = {
         "ratio": Param(float, 0.01, low=0.0, high=1.0, low_open=True, doc="fraction of elements sent"),
-        "error_feedback": Param(bool, True, doc="add back what the last step dropped"),
+        "error_feedback": ERROR_FEEDBACK,
     }
+    size_param = "ratio"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.memory = ErrorFeedback(self.config["error_feedback"])
         # derived, not state: sample positions per (numel, device), and the selection
         # pass's scratch buffer per device; both rebuilt identically after a restore
         self._samples: dict[tuple[int, str], torch.Tensor] = {}
@@ -89,6 +96,19 @@ class TopK(Compressor):
         self, shape: Shape, world_size: int, density: float | None = None
     ) -> dict[Collective, int]:
         return {"allgather": 8 * self.k(numel(shape))}
+
+    @staticmethod
+    def codec_features(xp: Any, numel: Any, rows: Any, cols: Any, param: Any) -> list[Any]:
+        # a pass, and the selection of k = ratio * numel entries
+        k = xp.maximum(xp.ceil(param * numel), 1.0)
+        return [xp.ones_like(numel), numel, k * xp.log2(numel + 2)]
+
+    def on_live_rows(self, shape: Shape, live: int, world_size: int) -> CompressorSpec | None:
+        # zeros are never among the largest (or add nothing when they are): the same k
+        # on the live rows sends the same entries
+        k = self.k(numel(shape))
+        ratio = min(1.0, k / numel((live, *shape[1:])))
+        return CompressorSpec.from_dict({**self.spec.to_dict(), "ratio": ratio})
 
     def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
         ks = [self.k(t.numel()) for t in tensors]
@@ -128,18 +148,9 @@ class TopK(Compressor):
         grad = t.detach().reshape(-1)
         n = grad.numel()
         ef = self.memory.enabled
-        add: torch.Tensor | None = None  # added to ``m`` during the selection pass
-        if ef:
-            m = self._residual(name, grad)
-            if m is None:  # first step: the residual starts as the gradient
-                m = grad.to(torch.float32, copy=True)
-                self.memory.residuals[name] = m
-            else:
-                add = grad
-        elif grad.dtype == torch.float32:
-            m = grad  # t is overwritten by the result only after the payload is taken
-        else:
-            m = grad.float()
+        # ``add`` is added to ``m`` during the selection pass; without error feedback
+        # ``m`` may be t itself, overwritten by the result only after the payload is taken
+        m, add = self._compensated_flat(name, grad)
 
         if n < EXACT_BELOW or k < 64:
             if add is not None:
@@ -162,18 +173,6 @@ class TopK(Compressor):
             else:
                 values, idx = values.new_zeros(k), idx.new_zeros(k)
         return values, idx
-
-    def _residual(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
-        """``name``'s residual as a flat fp32 tensor on grad's device (stored back in
-        that form), or None if it has none of grad's size."""
-        residual = self.memory.residuals.get(name)
-        if residual is None or residual.numel() != grad.numel():
-            return None
-        if residual.dtype != torch.float32 or residual.device != grad.device or not residual.is_contiguous():
-            residual = residual.to(grad.device, torch.float32).contiguous()
-        residual = residual.view(-1)
-        self.memory.residuals[name] = residual
-        return residual
 
     def _sample(self, n: int, device: torch.device) -> torch.Tensor:
         """Fixed sample positions for tensors of ``n`` elements: runs of
@@ -254,18 +253,6 @@ class TopK(Compressor):
             m.index_copy_(0, cand.index_select(0, drop), values.index_select(0, drop))
         kept = keep.nonzero().view(-1)
         return cand.index_select(0, kept), values.index_select(0, kept)
-
-    def release(self, name: str) -> torch.Tensor | None:
-        return self.memory.pop(name)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"memory"}
-        if unknown:
-            raise CompressorError(f"unexpected keys in topk state: {sorted(unknown)}")
-        self.memory.load_state_dict(state.get("memory", {}))
 
 
 def _above(x: torch.Tensor, scratch: torch.Tensor, thr: float, strict: bool, group: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from autotune._version import __version__
-from autotune.compressors import REGISTRY, CompressorSpec
+from autotune.compressors import PLAIN, REGISTRY, CompressorSpec
 from autotune.errors import ProfileError
 from autotune.jsonio import dumps, read_json, write_atomic
 from autotune.models.estimators import (
@@ -46,18 +46,16 @@ _RUNTIME_COLLECTIVES = ("allreduce", "allgather")  # what the runtime issues
 
 def codec_features(spec: CompressorSpec, shape: tuple[int, ...],
                    density: float | None = None) -> list[float]:
-    """``[numel, rows, cols, param]`` of a tensor under a compressor (param: rank,
-    ratio or block; for data-dependent methods (rowsparse) the share of rows holding a
-    non-zero value, ``density``, None: dense; 0 for methods without a size knob)."""
+    """``[numel, rows, cols, param]`` of a tensor under a compressor (param: its size
+    knob, :attr:`~autotune.compressors.Compressor.size_param`; for data-dependent
+    methods the share of rows holding a non-zero value, ``density``, None: dense; 0 for
+    methods without a size knob)."""
     numel = 1
     for d in shape:
         numel *= int(d)
     rows = int(shape[0]) if len(shape) >= 2 else numel
     cols = numel // max(rows, 1) if len(shape) >= 2 else 1
-    if REGISTRY.get(spec.name).density_dependent:
-        return [float(numel), float(rows), float(cols), 1.0 if density is None else float(density)]
-    params = spec.canonical().kwargs
-    param = float(params.get("rank", params.get("ratio", params.get("block", 0.0))))
+    param = REGISTRY.get(spec.name).codec_param(spec.canonical().kwargs, density)
     return [float(numel), float(rows), float(cols), param]
 
 
@@ -240,7 +238,7 @@ class CostModel:
         compute = self.compute.scaled(what_if.compute_speed) if what_if.compute_speed != 1.0 else self.compute
         world = what_if.world_size or self.world_size
         if policy is None:  # plain DDP with its default buckets (small first bucket)
-            layers, default, cap = {}, CompressorSpec.of("none"), None
+            layers, default, cap = {}, PLAIN, None
         else:
             layers, default, cap = policy.layers, policy.default, policy.bucket_cap_mb
         return simulate(compute, layers, default, cap, world,

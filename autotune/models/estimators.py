@@ -29,6 +29,8 @@ from sklearn.isotonic import IsotonicRegression
 from sklearn.linear_model import LinearRegression
 from sklearn.utils.validation import check_is_fitted, validate_data
 
+from autotune.compressors import REGISTRY
+
 __all__ = [
     "COLLECTIVES",
     "CollectiveTimeRegressor",
@@ -148,21 +150,11 @@ class CollectiveTimeRegressor(RegressorMixin, BaseEstimator):
 
 
 def _codec_features(compressor: str, X: np.ndarray) -> np.ndarray:
-    """Features proportional to each method's work: X = [numel, rows, cols, param]."""
+    """Features proportional to the method's work, as its class declares them
+    (:meth:`~autotune.compressors.Compressor.codec_features`): X = [numel, rows, cols,
+    param]."""
     n, rows, cols, param = (np.abs(X[:, i]) for i in range(4))
-    ones = np.ones_like(n)
-    if compressor == "powersgd":
-        # two (rows x cols) @ (cols x r) products, QR of (rows x r), r x (rows+cols) copies
-        rank = np.maximum(param, 1.0)
-        return np.column_stack([ones, n, n * rank, (rows + cols) * rank * rank])
-    if compressor == "topk":
-        k = np.maximum(np.ceil(param * n), 1.0)
-        return np.column_stack([ones, n, k * np.log2(n + 2)])
-    if compressor == "rowsparse":
-        # a pass over the tensor finding its non-zero rows (a reduction per row), then
-        # work on the rows sent (gathered from every rank, added up): param is their share
-        return np.column_stack([ones, n, rows, n * np.minimum(param, 1.0)])
-    return np.column_stack([ones, n])  # elementwise methods: a constant plus a pass
+    return np.column_stack(REGISTRY.get(compressor).codec_features(np, n, rows, cols, param))
 
 
 class CodecTimeRegressor(RegressorMixin, BaseEstimator):

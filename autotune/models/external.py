@@ -29,7 +29,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from autotune.compressors import CompressorSpec
+from autotune.compressors import PLAIN, REGISTRY, CompressorSpec
+from autotune.compressors.cast import FP16
+from autotune.compressors.topk import TopK
 from autotune.errors import ProfileError
 from autotune.jsonio import read_json
 from autotune.models.simulator import ComputeTimes, ParamTiming, simulate
@@ -66,11 +68,12 @@ class GpuCodecCosts:
 
     def seconds(self, spec: CompressorSpec, numel: int, world: int) -> float:
         n = numel
-        if spec.name == "none":
+        method = REGISTRY.get(spec.name)
+        if method.elementwise and not method.lossy:  # the gradient itself is sent
             return 0.0
-        if spec.name in ("fp16", "bf16"):
+        if method.half_precision:
             return self.launch_s + self.cast_passes * 4 * n / self.memory_Bps
-        if spec.name == "topk":
+        if issubclass(method, TopK):
             k = max(1, int(spec.canonical().kwargs["ratio"] * n))
             select = self.topk_passes * 4 * n / self.memory_Bps
             decode = world * 8 * k / self.memory_Bps + 4 * n / self.memory_Bps  # scatter-add W
@@ -103,9 +106,10 @@ class MeasuredCodecCosts:
     Per configuration measured, a non-negative least-squares fit of its seconds against
     size and world size (:class:`CodecFit`; the term in W needs two world sizes, e.g.
     ``--world-size 2 8``). A spec that was not measured takes the fit of the same
-    method's nearest measured configuration: top-k by ratio (log distance: its cost
-    depends little on the ratio, selection being a threshold pass), PowerSGD by rank,
-    anything else by name. A method not measured at all raises ``ValueError``.
+    method's nearest measured configuration by its size knob (``size_param``, log
+    distance: top-k's ratio, on which its cost depends little, selection being a
+    threshold pass; PowerSGD's rank; int8's block), a method without one by name. A
+    method not measured at all raises ``ValueError``.
     """
 
     device: str  # where the codecs ran ("cuda", "cpu")
@@ -147,7 +151,7 @@ class MeasuredCodecCosts:
         for f in same:
             if f.spec == spec:
                 return f
-        key = {"topk": "ratio", "powersgd": "rank"}.get(spec.name)
+        key = REGISTRY.get(spec.name).size_param
         if key is None:
             return same[0]
         want = math.log(spec.kwargs[key])
@@ -192,10 +196,10 @@ def compute_from_zhang(profile: Zhang2020Profile) -> ComputeTimes:
 def compressor_for_ratio(ratio: float) -> CompressorSpec:
     """A real compressor achieving ``ratio`` (see module docstring)."""
     if ratio == 1:
-        return CompressorSpec.of("none")
+        return PLAIN
     if ratio == 2:
-        return CompressorSpec.of("fp16")
-    return CompressorSpec.of("topk", ratio=1.0 / (2.0 * ratio))
+        return CompressorSpec.of(FP16.name)
+    return CompressorSpec.of(TopK.name, ratio=1.0 / (2.0 * ratio))
 
 
 def _codec_time(costs: CodecCosts) -> Any:

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from autotune.compressors import REGISTRY, CompressorSpec
+from autotune.compressors import REGISTRY, Compressor, CompressorSpec
 from autotune.compressors.base import AllreduceCompressor
 from autotune.models.buckets import ParamInfo, ddp_buckets
 
@@ -169,37 +169,17 @@ def group_messages(
     spec: CompressorSpec, shapes: Sequence[tuple[int, ...]], world: int,
     densities: Sequence[float | None] | None = None,
 ) -> list[Message]:
-    """The collectives one group issues, with their payload sizes.
-
-    One collective per declared stage, carrying the group's tensors together, as the
-    runtime sends them. PowerSGD's stages depend on which tensors it compresses: an
-    allreduce of the tensors it sends whole (if any), then one of all Ps, one of all Qs.
+    """The collectives one group issues, with their payload sizes, as the compressor
+    declares them (:meth:`~autotune.compressors.Compressor.group_messages`): the group's
+    tensors travel together, one collective per stage, as the runtime sends them.
     ``densities`` (per shape, None: dense) size data-dependent methods' messages.
     """
-    comp = _compressor(spec)
-    if spec.name == "powersgd":
-        plain = p_bytes = q_bytes = 0
-        for shape in shapes:
-            mat = comp._matrix(shape)  # type: ignore[attr-defined]
-            if mat is None:
-                plain += comp.wire_bytes(shape, world)
-            else:
-                rows, cols, rank = mat
-                p_bytes += rows * rank * 4
-                q_bytes += cols * rank * 4
-        out = [Message("allreduce", plain)] if plain else []
-        if p_bytes:
-            out += [Message("allreduce", p_bytes), Message("allreduce", q_bytes)]
-        return out
-    totals: dict[str, int] = {}
-    for shape, density in zip(shapes, densities or [None] * len(shapes)):
-        for kind, nbytes in comp.wire_messages(shape, world, density).items():
-            totals[kind] = totals.get(kind, 0) + nbytes
-    return [Message(kind, totals[kind]) for kind in dict.fromkeys(comp.collectives) if kind in totals]
+    return [Message(kind, nbytes)
+            for kind, nbytes in _compressor(spec).group_messages(shapes, world, densities)]
 
 
 @functools.lru_cache(maxsize=256)
-def _compressor(spec: CompressorSpec) -> Any:
+def _compressor(spec: CompressorSpec) -> Compressor:
     """One instance per spec, only asked for sizes (no state is touched)."""
     return REGISTRY.create(spec.name, **spec.kwargs)
 
@@ -294,7 +274,7 @@ def _channel(
         wire = calls = half = 0
         numel = sum(p.numel for p in members)
         direct = len(groups) == 1 and isinstance(_compressor(groups[0].spec), AllreduceCompressor)
-        if direct and groups[0].spec.name == "none":  # DDP's own allreduce of the bucket
+        if direct and not _compressor(groups[0].spec).lossy:  # DDP's own allreduce of the bucket
             nbytes = sum(p.numel * p.element_size for p in members)
             dt = comm_time("allreduce", nbytes, world)
             spans.append(("comm", f"allreduce {nbytes / 1e6:.2f} MB", t, t + dt))
@@ -307,7 +287,7 @@ def _channel(
                 # half before the collectives (encode), half after (decode)
                 spans.append(("codec", f"encode {label}", t, t + codec / 2))
                 t += codec / 2
-                if g.spec.name in ("fp16", "bf16"):
+                if _compressor(g.spec).half_precision:
                     half += sum(m.nbytes for m in g.messages)
                 for m in g.messages:
                     dt = comm_time(m.collective, m.nbytes, world)

@@ -83,7 +83,6 @@ from torch import Tensor
 from autotune import compressors
 from autotune.compressors import CompressorSpec, LocalComm
 from autotune.compressors.comm import all_gather_flat
-from autotune.compressors.topk import TopK
 from autotune.errors import ProfileError
 
 __all__ = [
@@ -152,9 +151,6 @@ DENSER_AT = 0.25
 # A parameter whose busiest rank leaves more than half of its gradient's rows zero is
 # row-sparse: the search gives it rowsparse as an option, `autotune show` lists it.
 ROW_SPARSE_BELOW = 0.5
-# Compressors that act on each element alone: what they do to a row does not depend on
-# the other rows, so a tensor's live rows alone give its exact error.
-_ELEMENTWISE = frozenset({"none", "fp16", "bf16"})
 
 
 @dataclass(frozen=True)
@@ -300,39 +296,22 @@ def _stands_for(comp: compressors.Compressor, shape: tuple[int, ...], rows: int,
     return full > 0 and abs(part / full - 1.0) <= REPRESENTATIVE
 
 
-def _on_live_rows(spec: CompressorSpec, comp: compressors.Compressor, shape: tuple[int, ...],
-                  live: int, world_size: int) -> CompressorSpec | None:
-    """The configuration that, given a tensor's live rows alone, does there exactly what
-    ``spec`` does on the whole tensor (its other rows being zero in every step), or None.
+def _on_live_rows(comp: compressors.Compressor, shape: tuple[int, ...], live: int,
+                  world_size: int) -> CompressorSpec | None:
+    """The configuration that, given a tensor's ``live`` rows alone, does there exactly
+    what ``comp`` does on the whole tensor (its other rows being zero in every step), or
+    None: the compressor's own answer
+    (:meth:`~autotune.compressors.Compressor.on_live_rows`), where the live rows are at
+    most half the tensor's.
 
-    Elementwise methods are such a configuration themselves. So is PowerSGD if it makes
-    the same choice (compress or not, and the rank): zero rows of M give zero rows of
-    ``P = MQ``, add nothing to ``Q = M^T P``, and keep zero residuals. Top-k is, with its
-    ratio rescaled to keep the same ``k``: zeros are never among the largest (or add
-    nothing when they are). So is exact ``rowsparse``, whose error is zero on any rows.
-    Sign (its scale is a mean over every element, and zeros are sent as +-scale) and
-    int8 (blocks span rows) are not, nor any compressor this probe does not know.
+    Elementwise methods are such a configuration themselves; so are PowerSGD when it
+    makes the same choice (compress or not, and the rank), top-k with its ratio rescaled
+    to keep the same ``k``, and exact ``rowsparse``. Sign (its scale is a mean over
+    every element, and zeros are sent as +-scale) and int8 (blocks span rows) have none.
     """
     if live < 1 or 2 * live > shape[0]:
         return None
-    live_shape = (live, *shape[1:])
-    if spec.name in _ELEMENTWISE:
-        return spec
-    if spec.name == "rowsparse" and not comp.lossy:
-        # exact: zero error on any rows (with half-precision rows it chooses sparse or
-        # dense by the share of live rows, which the live rows alone would change)
-        return spec
-    if spec.name == "powersgd":
-        cols = math.prod(shape[1:])
-        rank = spec.canonical().kwargs["rank"]
-        plain = [comp.wire_bytes(s, world_size) == 4 * math.prod(s) for s in (shape, live_shape)]
-        same_rank = min(rank, shape[0], cols) == min(rank, live, cols)
-        return spec if plain[0] == plain[1] and same_rank else None
-    if isinstance(comp, TopK):
-        k = comp.k(math.prod(shape))
-        ratio = min(1.0, k / math.prod(live_shape))
-        return CompressorSpec.from_dict({**spec.canonical().to_dict(), "ratio": ratio})
-    return None
+    return comp.on_live_rows(shape, live, world_size)
 
 
 def _check_grads(grads: Mapping[str, Sequence[Tensor]]) -> int:
@@ -509,7 +488,7 @@ def _error_mode(
     the tensor, else ``full``."""
     if plan is None:
         return "full", None, spec
-    live_spec = _on_live_rows(spec, comp, shape, int(plan.live.numel()), world_size)
+    live_spec = _on_live_rows(comp, shape, int(plan.live.numel()), world_size)
     if live_spec is not None:
         return "live_rows", plan.live, live_spec
     if plan.sample is not None and _stands_for(comp, shape, plan.sample.numel(), world_size):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any, Mapping, Sequence
 
+from autotune.compressors import PLAIN
 from autotune.policies import Policy
 from autotune.probes.codecs import DEFAULT_GRID
 
@@ -30,8 +31,8 @@ def random_policy(
     for name, numel in params:
         spec = chosen[rng.randrange(len(chosen))]
         if numel < SMALL and rng.random() < 0.8:
-            spec = {"compressor": "none"}
-        if spec["compressor"] != "none":
+            spec = PLAIN.to_dict()
+        if spec["compressor"] != PLAIN.name:
             layers[name] = dict(spec)
     return Policy.from_dict({
         "version": 1, "bucket_cap_mb": rng.choice(BUCKET_CAPS_MB), "layers": layers,

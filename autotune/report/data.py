@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from autotune.compressors import PLAIN
 from autotune.errors import AutotuneError
 from autotune.jsonio import json_type, read_json
 from autotune.links import parse_link
@@ -305,7 +306,7 @@ def gather(
 def _compresses(policy: Policy | None) -> bool:
     if policy is None:
         return False
-    return policy.default.name != "none" or any(s.name != "none" for s in policy.layers.values())
+    return policy.default.name != PLAIN.name or any(s.name != PLAIN.name for s in policy.layers.values())
 
 
 def _sweep(model: CostModel, configs: Mapping[str, Policy | None]) -> Sweep | None:
@@ -356,8 +357,8 @@ def _layers(profile: Profile, model: CostModel, policy: Policy | None) -> list[L
         name = p["name"]
         shape = tuple(int(d) for d in p["shape"])
         size = 2 if str(p.get("dtype", "float32")) in ("float16", "bfloat16") else 4
-        label = label_of(policy.spec_for(name)) if policy is not None else "none"
-        err = (0.0, 0.0) if label == "none" else measured.get((label, name), (None, None))
+        label = label_of(policy.spec_for(name)) if policy is not None else PLAIN.name
+        err = (0.0, 0.0) if label == PLAIN.name else measured.get((label, name), (None, None))
         backward = modules.get(name.rpartition(".")[0])
         rows.append(LayerRow(
             name=name, shape=shape, grad_bytes=math.prod(shape) * size,

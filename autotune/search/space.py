@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from autotune.compressors import REGISTRY, CompressorSpec
+from autotune.compressors import PLAIN, REGISTRY, Compressor, CompressorSpec
 from autotune.errors import ProfileError
 from autotune.models.cost_model import row_densities
 from autotune.policies import Policy
@@ -38,8 +38,6 @@ __all__ = ["Group", "SearchSpace", "ErrorModel", "label_of"]
 SIZE_EDGES = (SMALL, 262_144, 1_048_576, 4_194_304)
 # Searched bucket caps (MB): DDP's 25 and a spread around it.
 CAPS = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
-# what small tensors may use: compression cannot gain there, these cost nearly nothing
-_CHEAP = ("none", "fp16", "bf16")
 
 
 def label_of(spec: Mapping[str, Any] | CompressorSpec) -> str:
@@ -83,7 +81,7 @@ class SearchSpace:
         that the search must not change."""
         measured = {label_of(s["spec"]) for s in profile.codecs.get("shapes", [])}
         specs = {label_of(c): CompressorSpec.from_dict(c).canonical() for c in choices}
-        specs = {k: v for k, v in specs.items() if k in measured or k == "none"}
+        specs = {k: v for k, v in specs.items() if k in measured or k == PLAIN.name}
         params = {p["name"]: tuple(int(d) for d in p["shape"]) for p in profile.compute["params"]}
         densities = row_densities(profile)
         members: dict[str, list[str]] = {}
@@ -95,11 +93,8 @@ class SearchSpace:
             kind = key.split(":", 1)[0]
             matrix, sparse = kind.endswith("matrix"), kind.startswith("sparse")
             small = key.endswith(f":0-{SMALL}")
-            options = tuple(
-                label for label, spec in specs.items()
-                if (sparse if REGISTRY.get(spec.name).density_dependent else
-                    (spec.name in _CHEAP or not small) and (matrix or spec.name != "powersgd"))
-            )
+            options = tuple(label for label, spec in specs.items()
+                            if _offered(REGISTRY.get(spec.name), matrix, sparse, small))
             groups.append(Group(key, tuple(names), sum(math.prod(params[n]) for n in names), options))
         groups.sort(key=lambda g: -g.numel)
         fixed = {}
@@ -124,11 +119,11 @@ class SearchSpace:
             for name in g.params:
                 if name in self.pinned:
                     spec = self.pinned[name]
-                    if spec.name != "none":
+                    if spec != PLAIN:
                         per_layer[name] = spec.to_dict()
                     continue
                 label = (layers or {}).get(name, choice[g.key])
-                if label != "none":
+                if label != PLAIN.name:
                     per_layer[name] = self.specs[label].to_dict()
         return Policy.from_dict({"version": 1, "bucket_cap_mb": cap, "layers": per_layer,
                                  "meta": dict(meta or {})})
@@ -143,12 +138,23 @@ class SearchSpace:
                 label = label_of(policy.spec_for(name))
                 if label in g.options:
                     weight[label] = weight.get(label, 0) + math.prod(self.params[name])
-            out[g.key] = max(weight, key=weight.__getitem__) if weight else "none"
+            out[g.key] = max(weight, key=weight.__getitem__) if weight else PLAIN.name
         return out
 
     def uniform_choice(self, label: str) -> dict[str, str]:
         """Each group's choice for "``label`` everywhere it applies, else none"."""
-        return {g.key: (label if label in g.options else "none") for g in self.groups}
+        return {g.key: (label if label in g.options else PLAIN.name) for g in self.groups}
+
+
+def _offered(method: type[Compressor], matrix: bool, sparse: bool, small: bool) -> bool:
+    """Whether a group of parameters may use ``method``: data-dependent methods on
+    row-sparse groups only (a dense gradient gains nothing from them), at any size;
+    elementwise ones on any group, others not on small tensors (compression cannot
+    gain there, the elementwise methods cost nearly nothing); matrix methods on matrix
+    groups only."""
+    if method.density_dependent:
+        return sparse
+    return (method.elementwise or not small) and (matrix or not method.needs_matrix)
 
 
 def _group_key(shape: tuple[int, ...], sparse: bool = False) -> str:
@@ -183,7 +189,7 @@ class ErrorModel:
         self._total = total if total > 0 else 1.0
 
     def layer_error(self, label: str, name: str) -> float:
-        if label in ("none",):
+        if label == PLAIN.name:
             return 0.0
         try:
             return self.errors[(label, name)]

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from autotune.compressors import REGISTRY
 from autotune.errors import AutotuneError, ProfileError
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
@@ -240,9 +241,11 @@ def _baseline_params(space: SearchSpace) -> list[dict[str, Any]]:
     for label in ("fp16", "powersgd", "powersgd(rank=4)"):
         if label in space.specs:
             out.append({"bucket_cap_mb": cap, **space.uniform_choice(label)})
-    # the exact exchange of non-zero rows on the groups it is offered to (row-sparse ones)
-    if any("rowsparse" in g.options for g in space.groups):
-        out.append({"bucket_cap_mb": cap, **space.uniform_choice("rowsparse")})
+    # data-dependent methods (the exact exchange of non-zero rows) on the groups they are
+    # offered to (row-sparse ones)
+    for label, spec in space.specs.items():
+        if REGISTRY.get(spec.name).density_dependent and any(label in g.options for g in space.groups):
+            out.append({"bucket_cap_mb": cap, **space.uniform_choice(label)})
     return out
 
 
