@@ -24,13 +24,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotune.errors import AutotuneError
 from autotune.launch import set_rank_threads
+from autotune.presets import PRESETS
 
 __all__ = ["Setup", "rank_measure", "summarize"]
 
 # What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
 # communication hooks, the compute-only floor.
 KINDS = ("ddp", "policy", "hook", "floor")
-HOOKS = ("fp16", "bf16", "powersgd")
+HOOKS = tuple(dict.fromkeys(p.hook for p in PRESETS if p.hook is not None))  # PyTorch's, by preset
 # What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
 Wrap = Callable[..., torch.nn.Module]
 

@@ -1,9 +1,17 @@
-"""The set-ups a user could have picked without autotune, in one table.
+"""The set-ups a user could have picked without autotune, in one table, and the bucket
+sizes searched.
 
 Each preset is a method PyTorch ships (plain DDP, its fp16/bf16 compression hooks, its
 PowerSGD hook at rank 1 and 4) with the policy that applies the same method through
-autotune's hook. Verification measures both beside the tuned candidates, and a policy
-is only emitted if no preset within the error budget measured faster.
+autotune's hook, the bucket caps it is predicted at, and how the report draws it.
+Everything that compares against "the baselines" iterates this table: the tuner (which
+predicts and enqueues them), verification (which measures both the stock set-up and our
+equivalent beside the tuned candidates, and emits a policy only if no preset within
+the error budget measured faster), the profile's calibration, the codec probe (which
+measures their compressors whatever its budget), ``autotune simulate``, ``bench``,
+``demo`` and the report.
+
+Plain data only: importable from any layer without torch.
 """
 
 from __future__ import annotations
@@ -11,7 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Preset", "PRESETS", "preset"]
+__all__ = [
+    "Preset",
+    "PRESETS",
+    "DEFAULT_PRESETS",
+    "DDP_BUCKET_CAP_MB",
+    "BUCKET_CAPS_MB",
+    "preset",
+]
+
+DDP_BUCKET_CAP_MB = 25.0  # DistributedDataParallel's default bucket_cap_mb
+# The bucket caps (MB) the search tries: DDP's 25 and a spread around it.
+BUCKET_CAPS_MB: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
 
 
 @dataclass(frozen=True)
@@ -24,29 +43,59 @@ class Preset:
     hook: str | None = None  # PyTorch's hook (autotune.measure.HOOKS); None: DDP's own allreduce
     rank: int = 1  # PowerSGD's matrix rank, for hook "powersgd"
     needs_nccl: bool = False  # PyTorch refuses to run the hook on another backend
+    display: str = ""  # what figures and the report's tables call it ("": the name)
+    color: str | None = None  # its colour in every figure (None: matplotlib's cycle)
+    # the bucket caps (MB, from BUCKET_CAPS_MB) at which the tuner predicts our
+    # equivalent; at any cap but DDP's default its name gets the cap (ddp5mb)
+    caps: tuple[float, ...] = (DDP_BUCKET_CAP_MB,)
 
-    def policy(self, bucket_cap_mb: float = 25.0) -> dict[str, Any]:
-        """Our equivalent, as policy JSON."""
-        return {"version": 1, "bucket_cap_mb": bucket_cap_mb, "default": dict(self.spec)}
+    @property
+    def plain(self) -> bool:
+        """Plain DDP: no compression."""
+        return self.hook is None
+
+    def policy(self, bucket_cap_mb: float | None = DDP_BUCKET_CAP_MB) -> dict[str, Any]:
+        """Our equivalent, as policy JSON (``bucket_cap_mb`` None: the key left out,
+        which means DDP's default too)."""
+        cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        return {"version": 1, **cap, "default": dict(self.spec)}
+
+    def variants(self) -> list[tuple[str, float]]:
+        """(name, bucket cap) of our equivalent at each of :attr:`caps`."""
+        return [(self.name if cap == DDP_BUCKET_CAP_MB else f"{self.name}{cap:g}mb", cap)
+                for cap in self.caps]
+
+    def setup(self, name: str | None = None) -> dict[str, Any]:
+        """The stock set-up for :mod:`autotune.measure`, called ``name`` (default
+        ``stock:<preset>``), whatever the backend."""
+        name = f"stock:{self.name}" if name is None else name
+        if self.hook is None:
+            return {"name": name, "kind": "ddp"}
+        return {"name": name, "kind": "hook", "hook": self.hook, "rank": self.rank}
 
     def stock_setup(self, backend: str = "gloo") -> dict[str, Any] | None:
         """The stock set-up for :mod:`autotune.measure` (None where it cannot run)."""
         if self.needs_nccl and backend != "nccl":
             return None
-        if self.hook is None:
-            return {"name": f"stock:{self.name}", "kind": "ddp"}
-        return {"name": f"stock:{self.name}", "kind": "hook", "hook": self.hook, "rank": self.rank}
+        return self.setup()
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("ddp", "plain DDP"),
-    Preset("fp16", "PyTorch fp16_compress_hook", {"compressor": "fp16"}, "fp16"),
-    Preset("bf16", "PyTorch bf16_compress_hook", {"compressor": "bf16"}, "bf16", needs_nccl=True),
+    Preset("ddp", "plain DDP", display="plain DDP", color="#4c72b0",
+           caps=(1.0, 5.0, DDP_BUCKET_CAP_MB, 100.0)),
+    Preset("fp16", "PyTorch fp16_compress_hook", {"compressor": "fp16"}, "fp16",
+           display="fp16", color="#dd8452"),
+    Preset("bf16", "PyTorch bf16_compress_hook", {"compressor": "bf16"}, "bf16", needs_nccl=True,
+           display="bf16"),
     Preset("powersgd1", "PyTorch powerSGD_hook, rank 1", {"compressor": "powersgd", "rank": 1},
-           "powersgd", 1),
+           "powersgd", 1, display="PowerSGD rank 1", color="#55a868"),
     Preset("powersgd4", "PyTorch powerSGD_hook, rank 4", {"compressor": "powersgd", "rank": 4},
-           "powersgd", 4),
+           "powersgd", 4, display="PowerSGD rank 4", color="#8172b3"),
 )
+# The presets PyTorch runs on any backend (its bf16 hook needs NCCL): what a profile
+# calibrates on, `autotune simulate`, `bench` and the report show by default, the tuner
+# enqueues first and the codec probe always measures.
+DEFAULT_PRESETS: tuple[Preset, ...] = tuple(p for p in PRESETS if not p.needs_nccl)
 
 
 def preset(name: str) -> Preset:

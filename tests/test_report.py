@@ -17,13 +17,12 @@ import pytest
 from test_models import synthetic_profile
 
 from autotune.cli import main
-from autotune.cli.simulate import baseline_policies
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import load_policy
 from autotune.probes.profile import load_profile
 from autotune.report.data import gather, load_bench, load_study, pareto_front
-from autotune.search.tuner import tune
+from autotune.search.tuner import baseline_policies, tune
 
 pytest.importorskip("matplotlib", reason="the report needs matplotlib: pip install 'ddp-autotune[report]'")
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)

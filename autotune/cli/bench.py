@@ -13,18 +13,13 @@ from rich.table import Table
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import add_cluster_arguments, check_out_path, placement
 from autotune.errors import AutotuneError
+from autotune.presets import DEFAULT_PRESETS, PRESETS
 
-# Baselines as users run them: DDP with its defaults, and PyTorch's own hooks. The stock
-# bf16 hook needs NCCL, so it is measured only when asked for (--baselines ...,bf16).
-BASELINES: dict[str, dict[str, Any]] = {
-    "ddp": {"kind": "ddp"},
-    "fp16": {"kind": "hook", "hook": "fp16"},
-    "bf16": {"kind": "hook", "hook": "bf16"},
-    "powersgd1": {"kind": "hook", "hook": "powersgd", "rank": 1},
-    "powersgd4": {"kind": "hook", "hook": "powersgd", "rank": 4},
-}
-
-DEFAULT_BASELINES = [name for name in BASELINES if name != "bf16"]
+# Baselines as users run them: DDP with its defaults, and PyTorch's own hooks, by preset
+# name. The stock bf16 hook needs NCCL, so it is measured only when asked for
+# (--baselines ...,bf16).
+BASELINES = {p.name: p for p in PRESETS}
+DEFAULT_BASELINES = [p.name for p in DEFAULT_PRESETS]
 
 
 def _names(text: str) -> list[str]:
@@ -78,7 +73,7 @@ def run_bench(args: argparse.Namespace, policy: Any = None) -> dict[str, Any]:
     """Measure; shared with ``autotune demo``."""
     from autotune.launch import launch
 
-    setups = [{"name": name, **BASELINES[name]} for name in args.baselines]
+    setups = [BASELINES[name].setup(name) for name in args.baselines]
     if policy is not None:
         setups.append({"name": "policy", "kind": "policy", "policy": policy.to_dict()})
     setups.append({"name": "floor", "kind": "floor"})

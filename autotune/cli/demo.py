@@ -78,7 +78,6 @@ def verdict(bench: dict[str, Any], result: Any, policy: Any) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     from autotune.cli.bench import DEFAULT_BASELINES, print_bench, run_bench
     from autotune.cli.profile import take_profile
-    from autotune.cli.simulate import baseline_policies
     from autotune.emulate import available
     from autotune.errors import AutotuneError
     from autotune.jsonio import write_atomic
@@ -86,7 +85,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from autotune.report.data import load_study
     from autotune.cli.profile import placement
     from autotune.cli.tune import print_verification
-    from autotune.search.tuner import tune
+    from autotune.search.tuner import baseline_policies, tune
     from autotune.search.verify import DEFAULT_CANDIDATES, verify_result
 
     out = console()

@@ -45,12 +45,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from autotune.report import require_matplotlib
 
     require_matplotlib()  # before the heavy imports: a missing extra is told at once
-    from autotune.cli.simulate import baseline_policies
     from autotune.errors import AutotuneError
     from autotune.policies import load_policy
     from autotune.probes.profile import load_profile
     from autotune.report import write_report
     from autotune.report.data import load_bench, load_revisions, load_study
+    from autotune.search.tuner import baseline_policies
 
     if args.study_name is not None and args.study is None:
         raise AutotuneError("--study-name needs --study (the Optuna storage URL)")

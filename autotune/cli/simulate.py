@@ -17,16 +17,6 @@ from autotune.errors import AutotuneError, ProfileError
 from autotune.links import parse_link
 
 
-def baseline_policies() -> dict[str, Any]:
-    """The baselines as policies, by name: plain DDP as users construct it (None: default
-    buckets), fp16, PowerSGD rank 1 and 4."""
-    from autotune.policies import Policy
-    from autotune.probes.codecs import BASELINE_SPECS
-
-    return {"ddp": None, **{name: Policy.from_dict({"version": 1, "default": dict(spec)})
-                            for name, spec in BASELINE_SPECS.items()}}
-
-
 def _rates(text: str) -> list[float]:
     try:
         return [parse_link(part.strip()).rate_bps for part in text.split(",") if part.strip()]
@@ -116,6 +106,7 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
     from autotune.models.trace import write_trace
     from autotune.policies import Policy, load_policy
     from autotune.probes.profile import load_profile
+    from autotune.search.tuner import baseline_policies
 
     profile = load_profile(args.profile)
     model = CostModel.fit(profile)

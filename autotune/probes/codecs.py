@@ -84,6 +84,7 @@ from autotune import compressors
 from autotune.compressors import CompressorSpec, LocalComm
 from autotune.compressors.comm import all_gather_flat
 from autotune.errors import ProfileError
+from autotune.presets import DEFAULT_PRESETS
 
 __all__ = [
     "BASELINE_SPECS",
@@ -122,14 +123,11 @@ DEFAULT_GRID: tuple[Mapping[str, Any], ...] = (
     {"compressor": "topk", "ratio": 0.001},
     {"compressor": "topk", "ratio": 0.1},
 )
-# The compressors of the set-ups every tuning compares against besides plain DDP (fp16
-# and PyTorch's PowerSGD at rank 1 and 4, everywhere), by baseline name: the tuner,
-# `autotune simulate` and the report use them, and the codec probe measures them
-# whatever its budget, where its grid has them.
+# The compressors of the default presets besides plain DDP (fp16 and PyTorch's PowerSGD
+# at rank 1 and 4, everywhere), by preset name: every tuning compares against them, so
+# the codec probe measures them whatever its budget, where its grid has them.
 BASELINE_SPECS: Mapping[str, Mapping[str, Any]] = {
-    "fp16": {"compressor": "fp16"},
-    "powersgd1": {"compressor": "powersgd", "rank": 1},
-    "powersgd4": {"compressor": "powersgd", "rank": 4},
+    p.name: p.spec for p in DEFAULT_PRESETS if not p.plain
 }
 
 

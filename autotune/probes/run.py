@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from autotune._version import __version__
 from autotune.launch import Placement, launch, set_rank_threads
+from autotune.presets import DEFAULT_PRESETS
 from autotune.progress import Report, rank_reporter
 
 __all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment", "profile_job"]
@@ -124,17 +125,15 @@ def rank_profile(
 
 
 def calibration_policies(work: Any) -> list[dict[str, Any] | None]:
-    """Plain DDP, fp16, PowerSGD rank 1 and 4, and a few random mixed policies."""
+    """The default presets (plain DDP, fp16, PowerSGD rank 1 and 4: None for plain DDP,
+    the others our equivalents), and a few random mixed policies."""
     import random
 
     from autotune.probes.sampling import random_policy
 
     params = [(n, p.numel()) for n, p in work.model.named_parameters() if p.requires_grad]
     rng = random.Random(CALIBRATION_SEED)
-    out: list[dict[str, Any] | None] = [None]
-    out += [{"version": 1, "default": spec} for spec in (
-        {"compressor": "fp16"}, {"compressor": "powersgd", "rank": 1},
-        {"compressor": "powersgd", "rank": 4})]
+    out: list[dict[str, Any] | None] = [None if p.plain else p.policy(None) for p in DEFAULT_PRESETS]
     out += [random_policy(params, rng).to_dict() for _ in range(CALIBRATION_RANDOM)]
     return out
 

@@ -12,13 +12,16 @@ from typing import Any, Mapping, Sequence
 
 from autotune.compressors import PLAIN
 from autotune.policies import Policy
+from autotune.presets import BUCKET_CAPS_MB
 from autotune.probes.codecs import DEFAULT_GRID
 
-__all__ = ["CHOICES", "BUCKET_CAPS_MB", "random_policy"]
+__all__ = ["CHOICES", "SAMPLED_CAPS_MB", "random_policy"]
 
 # What is searched is what the codec probe measures: one list, kept there.
 CHOICES: tuple[Mapping[str, Any], ...] = DEFAULT_GRID
-BUCKET_CAPS_MB = (1.0, 5.0, 10.0, 25.0, 50.0)
+# The bucket caps random policies draw from: the searched grid but 2 and 100 MB, as they
+# have always drawn, so that a profile's calibration policies stay the ones it had.
+SAMPLED_CAPS_MB = tuple(cap for cap in BUCKET_CAPS_MB if cap not in (2.0, 100.0))
 SMALL = 16_384  # elements: below this, compression has nothing to gain
 
 
@@ -35,7 +38,7 @@ def random_policy(
         if spec["compressor"] != PLAIN.name:
             layers[name] = dict(spec)
     return Policy.from_dict({
-        "version": 1, "bucket_cap_mb": rng.choice(BUCKET_CAPS_MB), "layers": layers,
+        "version": 1, "bucket_cap_mb": rng.choice(SAMPLED_CAPS_MB), "layers": layers,
         "meta": {"source": "random", "compressors": [Policy.from_dict(
             {"version": 1, "default": c}).default.label() for c in chosen]},
     })

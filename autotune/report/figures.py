@@ -15,18 +15,19 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from autotune.models.trace import trace_events
+from autotune.presets import PRESETS
 from autotune.report.data import ReportData, rate_label
 
 __all__ = ["plot_timelines", "plot_bandwidth", "plot_study", "plot_measured", "save_png"]
 
-COLORS = {"ddp": "#4c72b0", "fp16": "#dd8452", "powersgd1": "#55a868", "powersgd4": "#8172b3",
+COLORS = {**{p.name: p.color for p in PRESETS if p.color is not None},
           "policy": "#c44e52", "tuned": "#c44e52", "floor": "#7f7f7f"}
 _SPAN_COLORS = {"forward": "#9ecae1", "backward": "#3182bd", "optimizer": "#bdbdbd",
                 "encode": "#fdae6b", "decode": "#e6550d", "allreduce": "#31a354",
                 "allgather": "#a1d99b"}
 _LANES = ("compute", "codec", "comm")
-_NAMES = {"ddp": "plain DDP", "fp16": "fp16", "powersgd1": "PowerSGD rank 1",
-          "powersgd4": "PowerSGD rank 4", "policy": "tuned policy", "floor": "compute floor"}
+_NAMES = {**{p.name: p.display or p.name for p in PRESETS},
+          "policy": "tuned policy", "floor": "compute floor"}
 DPI = 110
 
 

@@ -28,6 +28,7 @@ from autotune.compressors import PLAIN, REGISTRY, Compressor, CompressorSpec
 from autotune.errors import ProfileError
 from autotune.models.cost_model import row_densities
 from autotune.policies import Policy
+from autotune.presets import BUCKET_CAPS_MB
 from autotune.probes.codecs import ROW_SPARSE_BELOW
 from autotune.probes.profile import Profile
 from autotune.probes.sampling import CHOICES, SMALL
@@ -36,8 +37,6 @@ __all__ = ["Group", "SearchSpace", "ErrorModel", "label_of"]
 
 # Element-count bin edges of the size groups (besides matrix / not matrix).
 SIZE_EDGES = (SMALL, 262_144, 1_048_576, 4_194_304)
-# Searched bucket caps (MB): DDP's 25 and a spread around it.
-CAPS = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
 
 
 def label_of(spec: Mapping[str, Any] | CompressorSpec) -> str:
@@ -62,14 +61,14 @@ class SearchSpace:
     params: dict[str, tuple[int, ...]]  # name -> shape, in the profile's order
     groups: list[Group]
     specs: dict[str, CompressorSpec]  # label -> spec of every option
-    caps: tuple[float, ...] = CAPS
+    caps: tuple[float, ...] = BUCKET_CAPS_MB
     pinned: dict[str, CompressorSpec] = field(default_factory=dict)  # fixed by the user
     _group_of: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_profile(
         cls, profile: Profile, choices: Sequence[Mapping[str, Any]] = CHOICES,
-        caps: Sequence[float] = CAPS, pinned: Mapping[str, Any] | None = None,
+        caps: Sequence[float] = BUCKET_CAPS_MB, pinned: Mapping[str, Any] | None = None,
     ) -> SearchSpace:
         """Groups from the profiled parameters; options limited to measured compressors.
 

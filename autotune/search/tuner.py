@@ -31,12 +31,12 @@ from autotune.errors import AutotuneError, ProfileError
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
-from autotune.presets import PRESETS
+from autotune.presets import DDP_BUCKET_CAP_MB, DEFAULT_PRESETS, PRESETS
 from autotune.probes.profile import Profile
 from autotune.search.defaults import DEFAULT_MAX_ERROR
-from autotune.search.space import ErrorModel, SearchSpace
+from autotune.search.space import ErrorModel, SearchSpace, label_of
 
-__all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneResult", "baselines", "tune"]
+__all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneResult", "baseline_policies", "baselines", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +72,20 @@ class TuneResult:
     wall_s: float = 0.0
 
 
+def baseline_policies() -> dict[str, Policy | None]:
+    """The default presets (:data:`~autotune.presets.DEFAULT_PRESETS`) as policies, by
+    name: plain DDP as users construct it (None: DDP's default buckets, with its small
+    first bucket), the others our equivalents. What ``autotune simulate``, ``demo`` and
+    the report predict."""
+    return {p.name: None if p.plain else Policy.from_dict(p.policy(None)) for p in DEFAULT_PRESETS}
+
+
 def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
               max_error: float, what_if: WhatIf | None = None) -> list[Candidate]:
-    """The hand-picked set-ups a user would try, predicted exactly."""
+    """The hand-picked set-ups a user would try, predicted exactly: our equivalent of
+    every preset (:mod:`autotune.presets`) at each of its bucket caps."""
     out = []
-    policies = [(f"ddp{cap:g}mb" if cap != 25 else "ddp", Policy(bucket_cap_mb=cap))
-                for cap in (1.0, 5.0, 25.0, 100.0)]
-    # our equivalents of PyTorch's own hooks (autotune.presets)
-    policies += [(p.name, Policy.from_dict(p.policy())) for p in PRESETS if p.name != "ddp"]
+    policies = [(name, Policy.from_dict(p.policy(cap))) for p in PRESETS for name, cap in p.variants()]
     for name, policy in policies:
         try:
             err = errors.of(policy)
@@ -234,12 +240,12 @@ def tune(
 def _baseline_params(space: SearchSpace) -> list[dict[str, Any]]:
     """The baselines in the study's own terms, so TPE starts from them."""
     out = []
-    for cap in (1.0, 5.0, 25.0, 100.0):
-        if cap in space.caps:
-            out.append({"bucket_cap_mb": cap, **space.uniform_choice("none")})
-    cap = 25.0 if 25.0 in space.caps else space.caps[0]
-    for label in ("fp16", "powersgd", "powersgd(rank=4)"):
-        if label in space.specs:
+    cap = DDP_BUCKET_CAP_MB if DDP_BUCKET_CAP_MB in space.caps else space.caps[0]
+    for p in DEFAULT_PRESETS:
+        label = label_of(p.spec)
+        if p.plain:  # plain DDP at each of its caps that the space has
+            out += [{"bucket_cap_mb": c, **space.uniform_choice(label)} for c in p.caps if c in space.caps]
+        elif label in space.specs:  # a method everywhere, at DDP's default cap (or the first)
             out.append({"bucket_cap_mb": cap, **space.uniform_choice(label)})
     # data-dependent methods (the exact exchange of non-zero rows) on the groups they are
     # offered to (row-sparse ones)

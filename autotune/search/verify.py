@@ -60,8 +60,8 @@ def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, An
     for p in PRESETS:
         equivalent = ours.get(p.name)
         stock = p.stock_setup(backend)
-        error = equivalent.error if equivalent is not None else (0.0 if p.name == "ddp" else None)
-        feasible = equivalent.feasible if equivalent is not None else p.name == "ddp"
+        error = equivalent.error if equivalent is not None else (0.0 if p.plain else None)
+        feasible = equivalent.feasible if equivalent is not None else p.plain
         if stock is not None:
             setups.append(stock)
             info[stock["name"]] = {"kind": "stock", "label": p.label, "error": error,
