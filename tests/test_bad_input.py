@@ -336,6 +336,7 @@ def test_without_root_each_problem_is_one_line(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- tune --verify
 
 
+@pytest.mark.multirank
 def test_verify_on_another_cluster_warns_and_chooses_by_measurement(
     d: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,8 @@ import autotune
 from autotune import Policy
 from autotune.runtime.hook import PHASES
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
 STOCK = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 

@@ -31,6 +31,8 @@ from test_habits import LAYERS, SmallNet, WarningCapture, batch, digest, state_f
 import autotune
 from autotune import Policy
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
 STEPS = 8
 SAVE_STEP = 4  # checkpoint after this many steps; rank 1 dies right after
 POLICY = {

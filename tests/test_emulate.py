@@ -252,6 +252,7 @@ def rank_allreduce(nbytes: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.multirank
 def test_gloo_allreduce_across_hosts(netns: None, no_leak: str) -> None:
     with EmulatedCluster(2, "1gbit", name_prefix=no_leak) as cluster:
         results = launch("test_emulate:rank_allreduce", kwargs={"nbytes": 16 << 20},

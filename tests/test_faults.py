@@ -197,6 +197,7 @@ def error_line(job: Job) -> str:
 
 # --------------------------------------------------------------------------- profile
 @pytest.mark.skipif(not available()[0], reason=f"emulated cluster: {available()[1]}")
+@pytest.mark.multirank
 def test_profile_on_an_emulated_cluster_ends_when_a_rank_is_killed(tmp_path: Path) -> None:
     (tmp_path / "fault_workload.py").write_text(WORKLOAD)
     job = Job(autotune_cmd("profile", "--workload", "fault_workload.py:make", "--hosts", "2",
@@ -224,6 +225,7 @@ def _namespaces() -> list[str]:
 
 
 # ------------------------------------------------------------------------------ tune
+@pytest.mark.multirank
 def test_tune_verify_ends_when_a_rank_is_killed(tmp_path: Path) -> None:
     data = synthetic_profile("mlp").to_dict()
     data["env"].update(link=None, hosts=1)  # measured on 2 local ranks
@@ -249,6 +251,7 @@ def _training(tmp_path: Path, cmd: list[str]) -> Job:
     return Job([arg.replace("MARKERS", str(tmp_path / "markers")) for arg in cmd], tmp_path)
 
 
+@pytest.mark.multirank
 def test_training_under_the_launcher_ends_when_a_rank_is_killed(tmp_path: Path) -> None:
     job = _training(tmp_path, [sys.executable, "run_job.py", "MARKERS"])
     try:
@@ -269,6 +272,7 @@ def test_training_under_the_launcher_ends_when_a_rank_is_killed(tmp_path: Path) 
         job.close()
 
 
+@pytest.mark.multirank
 def test_a_stalled_rank_is_named_and_killed_when_the_timeout_expires(tmp_path: Path) -> None:
     job = _training(tmp_path, [sys.executable, "run_job.py", "MARKERS"])
     try:
@@ -284,6 +288,7 @@ def test_a_stalled_rank_is_named_and_killed_when_the_timeout_expires(tmp_path: P
         job.close()
 
 
+@pytest.mark.multirank
 def test_training_under_torchrun_ends_when_a_rank_is_killed(tmp_path: Path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "--max-restarts", "0"]

@@ -33,6 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import autotune
 from autotune.launch import launch
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
 BAD_STEP = 3
 
 

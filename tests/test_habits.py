@@ -30,6 +30,8 @@ from autotune import Policy
 from autotune.errors import AutotuneError
 from autotune.launch import launch
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
 
 class WarningCapture(logging.Handler):
     """Collects the messages of warnings logged on this rank."""

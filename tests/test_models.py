@@ -191,6 +191,7 @@ def rank_ddp_buckets(workload: str, cap: float | None) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("workload", ["cnn", "transformer"])
+@pytest.mark.multirank
 def test_bucket_assignment_equals_what_ddp_built(run_ranks, workload: str) -> None:
     for cap in (None, 0.25, 1.0, 5.0):
         result = run_ranks("test_models:rank_ddp_buckets", nprocs=1, workload=workload, cap=cap)[0]

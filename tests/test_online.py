@@ -21,6 +21,8 @@ from autotune.errors import AutotuneError
 from autotune.policies import Policy
 from autotune.workloads import resolve_workload
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
 PSGD = {"version": 1, "default": {"compressor": "powersgd", "rank": 2}}
 NONE = {"version": 1}
 FP16 = {"version": 1, "default": {"compressor": "fp16"}}

@@ -150,6 +150,7 @@ def rank_codecs() -> dict[str, Any]:
     return probe_codecs(_grads(steps=2), world_size=2, grid=grid, reps=1, distribute=True)
 
 
+@pytest.mark.multirank
 def test_distributed_share_is_combined_on_every_rank(run_ranks: Any) -> None:
     a, b = run_ranks("test_probe_codecs:rank_codecs")
     assert a["grid"] == b["grid"] == [{"compressor": "none"}, {"compressor": "fp16"},
@@ -207,6 +208,7 @@ def rank_structure() -> dict[str, Any]:
                         distribute=True)
 
 
+@pytest.mark.multirank
 def test_the_structure_of_real_gradients_is_combined_over_ranks(run_ranks: Any) -> None:
     a, b = run_ranks("test_probe_codecs:rank_structure")
     assert a["structure"] == b["structure"]

@@ -64,6 +64,7 @@ def rank_probe(steps: int) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.multirank
 def test_mlp_two_ranks(run_ranks: Any) -> None:
     a, b = run_ranks("test_probe_compute:rank_probe", steps=3)
     assert a == b, "every rank returns the aggregated result"

@@ -28,6 +28,7 @@ def test_bus_factors_follow_nccl_tests() -> None:
     assert bus_factor("allreduce", 1) == 1.0
 
 
+@pytest.mark.multirank
 def test_probe_on_loopback_fits_every_collective(run_ranks) -> None:
     a, b = run_ranks("autotune.probes.network:probe_network", budget_s=4.0,
                      sizes=[4096, 65536, 1 << 20, 4 << 20])
@@ -42,6 +43,7 @@ def test_probe_on_loopback_fits_every_collective(run_ranks) -> None:
 
 
 @needs_netns
+@pytest.mark.multirank
 def test_probe_recovers_a_shaped_link_rate(run_ranks) -> None:
     from autotune.launch import launch
 

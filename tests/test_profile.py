@@ -136,6 +136,7 @@ def test_profile_bad_flags_fail_in_one_line(argv: list[str], message: str, capsy
     assert err.count("\n") == 1 and message in err
 
 
+@pytest.mark.multirank
 def test_autotune_profile_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     proc = subprocess.run(

@@ -69,6 +69,7 @@ def rank_exact(values: str = "fp32") -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multirank
 def test_rowsparse_equals_plain_allreduce_in_every_case(run_ranks) -> None:
     for result in run_ranks("test_rowsparse:rank_exact"):
         assert set(result) == set(CASES)
@@ -81,6 +82,7 @@ def test_rowsparse_equals_plain_allreduce_in_every_case(run_ranks) -> None:
         assert result["all"]["sent"]["allreduce"] == (ROWS + 1) * COLS * 4
 
 
+@pytest.mark.multirank
 def test_rowsparse_bf16_rows_are_within_bf16_precision(run_ranks) -> None:
     for result in run_ranks("test_rowsparse:rank_exact", values="bf16"):
         for case, r in result.items():
@@ -179,6 +181,7 @@ def rank_wrap_vs_ddp(steps: int = 6) -> dict[str, Any]:
     return {"equal": equal, "sent": sent, "dense": sum(p.numel() * 4 for p in ours_model.parameters())}
 
 
+@pytest.mark.multirank
 def test_wrap_with_rowsparse_trains_an_embedding_model_exactly_as_ddp(run_ranks) -> None:
     for result in run_ranks("test_rowsparse:rank_wrap_vs_ddp"):
         assert all(result["equal"]), result["equal"]
@@ -193,6 +196,7 @@ def rank_sparse_embedding() -> str:
     return "accepted"
 
 
+@pytest.mark.multirank
 def test_wrap_refuses_sparse_embeddings_with_a_clear_message(run_ranks) -> None:
     message = run_ranks("test_rowsparse:rank_sparse_embedding")[0]
     assert "sparse=True" in message and "emb.weight" in message and "rowsparse" in message

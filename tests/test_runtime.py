@@ -19,6 +19,8 @@ import autotune
 from autotune import Policy
 from autotune.errors import PolicyError
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
 ALL_SPECS = [
     {"compressor": "none"},
     {"compressor": "fp16"},

@@ -218,6 +218,7 @@ def rank_switch_with_pickle_disabled(profile: str) -> dict[str, Any]:
     return {"policy": ddp.policy.id, "revision": ddp.controller.revision, "used": used}
 
 
+@pytest.mark.multirank
 def test_the_online_policy_broadcast_needs_no_pickle(run_ranks: Any, tmp_path: Path) -> None:
     profile = tmp_path / "profile.json"
     synthetic_profile("mlp", link_bps=2e10, latency_s=1e-4).save(profile)

@@ -23,6 +23,7 @@ def test_every_preset_has_a_stock_set_up_and_our_equivalent() -> None:
         preset("lz4")
 
 
+@pytest.mark.multirank
 def test_measurement_stops_after_min_rounds_when_one_contender_is_left(run_ranks) -> None:
     setups = [{"name": "ddp", "kind": "ddp"}, {"name": "floor", "kind": "floor"}]
     result = run_ranks("autotune.measure:rank_measure", workload="mlp", setups=setups, rounds=10,
@@ -31,6 +32,7 @@ def test_measurement_stops_after_min_rounds_when_one_contender_is_left(run_ranks
     assert [len(r["step_s"]) for r in result["results"]] == [4, 4]
 
 
+@pytest.mark.multirank
 def test_measurement_ends_at_its_budget(run_ranks) -> None:
     setups = [{"name": "ddp", "kind": "ddp"}, {"name": "fp16", "kind": "hook", "hook": "fp16"}]
     result = run_ranks("autotune.measure:rank_measure", workload="mlp", setups=setups, rounds=50,
@@ -47,6 +49,7 @@ def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.multirank
 def test_tune_verifies_by_default_and_show_prints_what_was_measured(
     mlp_profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -83,12 +86,14 @@ def test_tune_verifies_by_default_and_show_prints_what_was_measured(
     assert "measured on the live job" in shown and summary["winner"] in shown
 
 
+@pytest.mark.multirank
 def test_no_verify_chooses_by_prediction(mlp_profile: Path, tmp_path: Path) -> None:
     out = tmp_path / "policy.json"
     assert main(["tune", str(mlp_profile), "--out", str(out), "--trials", "10", "--no-verify"]) == 0
     assert "verified" not in load_policy(out).meta
 
 
+@pytest.mark.multirank
 def test_a_bad_verify_budget_is_one_line(mlp_profile: Path, tmp_path: Path, capsys) -> None:
     assert main(["tune", str(mlp_profile), "--out", str(tmp_path / "p.json"), "--verify-budget", "0"]) == 2
     err = capsys.readouterr().err

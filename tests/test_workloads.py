@@ -426,6 +426,7 @@ def rank_view(name: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.multirank
 def test_ranks_build_the_same_model_and_draw_different_batches(
     run_ranks: Callable[..., list[Any]],
 ) -> None:
