@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -97,7 +97,7 @@ def attach(ddp: AutotuneDDP, profile: Profile, config: OnlineConfig) -> Controll
     return controller
 
 
-def rank_measure(workload: str, setups: Sequence[Mapping[str, Any]], **options: Any) -> dict[str, Any]:
+def rank_measure(workload: str, setups: Sequence[dict[str, Any]], **options: Any) -> dict[str, Any]:
     """:func:`autotune.measure.rank_measure` where a set-up may revise its policy online
     (``Setup.online``: :func:`wrap`'s ``profile`` and knobs). Runs on every rank: launch
     ``"autotune.online:rank_measure"``.
