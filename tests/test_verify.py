@@ -98,3 +98,22 @@ def test_a_bad_verify_budget_is_one_line(mlp_profile: Path, tmp_path: Path, caps
     assert main(["tune", str(mlp_profile), "--out", str(tmp_path / "p.json"), "--verify-budget", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected a number of seconds > 0" in err
+
+
+def test_an_exact_set_up_within_the_margin_beats_a_faster_lossy_one() -> None:
+    from autotune.search.verify import _exact_within
+
+    info = {"ddp": {"error": 0.0}, "mix": {"error": 0.0}, "topk": {"error": 0.3},
+            "fp16": {"error": 1e-4}}
+    medians = {"ddp": 1.00, "mix": 0.104, "topk": 0.100, "fp16": 0.5}
+    assert _exact_within(medians, info, "topk", 0.05) == "mix"  # 4% slower, exact
+    assert _exact_within(medians, info, "topk", 0.03) is None  # outside the margin
+    assert _exact_within(medians, info, "topk", 0.0) is None  # 0: the fastest always wins
+    assert _exact_within(medians, info, "mix", 0.05) is None  # the winner is already exact
+    assert _exact_within({"fp16": 0.5, "topk": 0.1}, info, "topk", 0.5) is None  # none exact
+
+
+def test_a_bad_exact_margin_is_one_line(mlp_profile: Path, tmp_path: Path, capsys) -> None:
+    assert main(["tune", str(mlp_profile), "--out", str(tmp_path / "p.json"), "--exact-margin", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a number in [0, 1)" in err

@@ -12,7 +12,9 @@ from rich.table import Table
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import check_out_path, placement
-from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_MAX_ERROR
+from autotune.search.defaults import (
+    DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN, DEFAULT_MAX_ERROR,
+)
 
 
 def _max_error(text: str) -> float:
@@ -22,6 +24,16 @@ def _max_error(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
     return value
 
 
@@ -75,6 +87,11 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                         metavar="SECONDS",
                         help="measurement time after which the lowest median wins even if its "
                              f"lead is within noise (default: {DEFAULT_BUDGET_S:g})")
+    parser.add_argument("--exact-margin", type=_fraction, default=DEFAULT_EXACT_MARGIN,
+                        metavar="FRACTION",
+                        help="write an exact set-up (error 0: plain DDP, rowsparse, a lossless "
+                             "mix) measured within this fraction of a faster lossy one instead "
+                             f"(default: {DEFAULT_EXACT_MARGIN:g}; 0: the fastest always wins)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage URL, e.g. sqlite:///study.db (default: in memory)")
     parser.add_argument("--study-name", default=None,
@@ -190,7 +207,8 @@ def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tu
         f"(at most {args.verify_budget:g} s of measurement)"
     ):
         return verify_result(result, args.verify, args.workload, where,
-                             budget_s=args.verify_budget, backend=backend)
+                             budget_s=args.verify_budget, backend=backend,
+                             exact_margin=args.exact_margin)
 
 
 def _print(out: Any, result: Any, policy: Any, verified: dict[str, Any] | None) -> None:

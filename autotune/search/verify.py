@@ -8,8 +8,10 @@ preset a user could have picked (:mod:`autotune.presets`: plain DDP and PyTorch'
 hooks, and our policy for the same method), in rounds, until a bootstrap interval
 separates the fastest from the runner-up or the time budget ends
 (:func:`autotune.trials.decide`). Only set-ups within the error budget may win; a tie
-goes to the simpler (plain DDP first, then the presets, then the candidates). When a
-preset wins, the emitted policy is our equivalent of it, and its meta says so.
+goes to the simpler (plain DDP first, then the presets, then the candidates), and an
+exact set-up (error 0) measured within ``exact_margin`` (default 5%) of a faster lossy
+winner wins instead. When a preset wins, the emitted policy is our equivalent of it,
+and its meta says so.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Sequence
 from autotune.launch import Placement, launch
 from autotune.policies import Policy
 from autotune.presets import PRESETS
-from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES
+from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN
 from autotune.search.tuner import Candidate, TuneResult
 from autotune.trials import decide
 
@@ -83,6 +85,7 @@ def verify_result(
     result: TuneResult, k: int, workload: str, placement: Placement, *,
     budget_s: float = DEFAULT_BUDGET_S, backend: str = "gloo", block: int = 2,
     min_rounds: int = 3, max_rounds: int = 40, timeout: float = 3600.0,
+    exact_margin: float = DEFAULT_EXACT_MARGIN,
 ) -> tuple[Policy, dict[str, Any]]:
     """Measure the candidates of ``result`` and the presets; return the policy to emit
     (with the tuner's meta and what was measured) and the report.
@@ -97,6 +100,8 @@ def verify_result(
         backend: the job's backend (PyTorch's bf16 hook runs only on NCCL).
         block: consecutive steps per set-up in a round.
         min_rounds / max_rounds: rounds before the first separation test / at most.
+        exact_margin: an exact set-up (error 0) whose median is within this fraction
+            of a lossy winner's is emitted instead (0: the fastest always wins).
     """
     setups, info = _setups(result, k, backend)
     eligible = [s["name"] for s in setups if info[s["name"]]["feasible"]]
@@ -107,7 +112,13 @@ def verify_result(
     times = {r["name"]: r["step_s"] for r in measured["results"]}
     decision = decide({n: times[n] for n in eligible}, eligible)
     overall = decide(times, [s["name"] for s in setups])
-    winner = decision.winner
+    winner, why = decision.winner, decision.reason
+    exact = _exact_within(decision.medians, info, winner, exact_margin)
+    if exact is not None:
+        why = (f"{exact} (exact) measured within {exact_margin:.0%} of the lossy {winner} "
+               f"({decision.medians[exact] / decision.medians[winner]:.3f}x): the exact one wins; "
+               + why)
+        winner = exact
     report: dict[str, Any] = {}
     for s in setups:
         name = s["name"]
@@ -120,7 +131,6 @@ def verify_result(
     ours = {b.name: b for b in result.baselines}
     cands = {c.name: c for c in candidates(result, k)}
     source = cands.get(emitted_name) or ours[emitted_name]
-    why = decision.reason
     if info[winner]["kind"] == "stock":
         why += (f"; emitted: our {emitted_name} policy, the same method as "
                 f"{info[winner]['label']} through autotune's hook")
@@ -141,6 +151,19 @@ def verify_result(
                 measured_step_s=report[emitted_name]["measured_step_s"],
                 predicted_step_s=source.predicted_s, error=source.error)
     return Policy.from_dict({**source.policy.to_dict(), "meta": meta}), report | {"_summary": summary}
+
+
+def _exact_within(medians: dict[str, float], info: dict[str, dict[str, Any]], winner: str,
+                  margin: float) -> str | None:
+    """The fastest exact (error 0) set-up measured within ``margin`` of a lossy
+    ``winner``, if any."""
+    if not info[winner].get("error"):
+        return None
+    exact = [n for n in medians if info[n].get("error") == 0.0]
+    if not exact:
+        return None
+    best = min(exact, key=lambda n: medians[n])
+    return best if medians[best] <= medians[winner] * (1 + margin) else None
 
 
 def model_accuracy(report: dict[str, Any]) -> dict[str, Any]:
