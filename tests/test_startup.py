@@ -7,6 +7,7 @@ imports), not by timing: this machine's CPU speed drifts.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "optuna", "sklearn")
 
 
-def imported(*argv: str) -> set[str]:
+@functools.cache  # one fresh interpreter per command line: each one that loads torch costs seconds
+def imported(*argv: str) -> frozenset[str]:
     """The top-level packages ``python -X importtime *argv`` imports (it must exit 0)."""
     proc = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
@@ -31,7 +33,7 @@ def imported(*argv: str) -> set[str]:
         if line.startswith("import time:") and line.count("|") == 2:
             names.add(line.rpartition("|")[2].strip().split(".")[0])
     assert "autotune" in names, "no import was listed: is -X importtime still the format?"
-    return names
+    return frozenset(names)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["tune", "--help"], ["--version"]])
@@ -40,7 +42,7 @@ def test_help_imports_no_torch_optuna_or_sklearn(argv: list[str]) -> None:
     assert not heavy, f"autotune {' '.join(argv)} imported {sorted(heavy)}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # module scope: the cached command lines name these paths
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("show")
     Policy.from_dict(POLICY).save(d / "policy.json")
