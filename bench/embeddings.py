@@ -36,7 +36,7 @@ from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
-from autotune.search.verify import verify_result
+from autotune.search.verify import DEFAULT_CANDIDATES, verify_result
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"dlrm": "dlrm", "large_vocab": str(HERE / "workloads" / "large_vocab.py") + ":make"}
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--budget-s", type=float, default=40.0, help="profile budget per cell")
     parser.add_argument("--trials", type=int, default=150)
-    parser.add_argument("--verify", type=int, default=2, metavar="K")
+    parser.add_argument("--verify", type=int, default=DEFAULT_CANDIDATES, metavar="K")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--block", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results/embeddings.json"))
