@@ -69,6 +69,23 @@ def test_rowsparse_is_searched_on_the_table_and_chosen_where_it_pays() -> None:
     assert not any(g.key.startswith("sparse") or "rowsparse" in g.options for g in dense.groups)
 
 
+def test_the_best_exact_trial_is_kept_for_verification() -> None:
+    from autotune.compressors import PLAIN
+    from autotune.search.verify import candidates
+
+    result = tune(sparse_profile(link_bps=2e7), trials=30, seed=0)
+    exact = result.exact
+    assert exact is not None and exact.error == 0.0
+    assert exact.policy.spec_for("0.weight").name == "rowsparse"  # not plain DDP
+    names = {c.name: c for c in candidates(result, 2)}
+    ids = {c.policy.id for c in names.values()}
+    assert exact.policy.id in ids and len(ids) == len(names)
+    if "exact" in names:  # appended only when the Pareto picks missed it
+        assert names["exact"].error == 0.0
+    # plain DDP at some bucket size is a baseline already, never "the exact trial"
+    assert any(spec != PLAIN for spec in (exact.policy.default, *exact.policy.layers.values()))
+
+
 def test_a_baseline_the_profile_did_not_measure_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
     # a codec probe run with a grid (or, before the fix, a budget) without PowerSGD rank 1
     data = synthetic_profile("cnn", link_bps=1e8).to_dict()

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from autotune.compressors import REGISTRY
+from autotune.compressors import PLAIN, REGISTRY
 from autotune.errors import AutotuneError, ProfileError
 from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
@@ -68,6 +68,8 @@ class TuneResult:
     tuned: Candidate
     baselines: list[Candidate]
     top: list[Candidate] = field(default_factory=list)  # best distinct study trials
+    # the best predicted exact trial (error 0) that compresses something, when not in top
+    exact: Candidate | None = None
     trials: int = 0
     wall_s: float = 0.0
 
@@ -208,6 +210,7 @@ def tune(
                              errors.of(policy), True))
         if len(top) >= top_k:
             break
+    exact = _best_exact(space, model, errors, ranked, seen, what_if)
     best = top[0]
     if refine:
         best = _refine(space, model, errors, max_error, *ranked[0][:2], what_if=what_if)
@@ -234,7 +237,25 @@ def tune(
         meta.update(predicted_step_s=best_base.predicted_s, error=best_base.error)
         chosen, emitted = best_base.name, best_base.policy.with_meta(**meta, chosen=best_base.name)
     return TuneResult(policy=emitted, chosen=chosen, tuned=best, baselines=base, top=top,
-                      trials=len(study.trials), wall_s=time.perf_counter() - started)
+                      exact=exact, trials=len(study.trials), wall_s=time.perf_counter() - started)
+
+
+def _best_exact(space: SearchSpace, model: CostModel, errors: ErrorModel,
+                ranked: list[tuple[float, dict[str, str], float]], seen: set[str],
+                what_if: WhatIf | None) -> Candidate | None:
+    """The fastest-predicted trial of error 0 (e.g. rowsparse on the embeddings, plain
+    allreduce elsewhere) outside ``seen``, unless it is plain DDP at some bucket size
+    (the baselines cover that), so that verification always measures the best exact
+    option beside the lossy ones."""
+    for cap, choice, _ in ranked:
+        policy = space.policy(cap, choice)
+        if policy.id in seen or errors.of(policy) != 0.0:
+            continue
+        specs = [policy.default, *policy.layers.values()]
+        if all(spec == PLAIN for spec in specs):
+            continue
+        return Candidate("exact", policy, model.predict(policy, what_if).step_s, 0.0, True)
+    return None
 
 
 def _baseline_params(space: SearchSpace) -> list[dict[str, Any]]:

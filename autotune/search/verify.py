@@ -32,7 +32,9 @@ __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "m
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
     """The tuned policy and up to ``k - 1`` more distinct trials, spread over the
     Pareto front of (predicted step time, error): fast-and-lossy to slow-and-exact, so
-    that a misprediction in one corner does not hide the other."""
+    that a misprediction in one corner does not hide the other; and the tuner's best
+    exact trial (error 0, compressing something: e.g. rowsparse on the embeddings), if
+    none of those is it."""
     tuned = Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)
     pool = [c for c in result.top if c.policy.id != tuned.policy.id]
     front = [c for c in pool if not any(
@@ -45,8 +47,12 @@ def candidates(result: TuneResult, k: int) -> list[Candidate]:
         front = list(dict.fromkeys(picks))
     rest = [c for c in sorted(pool, key=lambda c: c.predicted_s) if c not in front]
     chosen = (front + rest)[:want]
-    return [tuned] + [Candidate(f"candidate{i + 2}", c.policy, c.predicted_s, c.error, True)
-                      for i, c in enumerate(chosen)]
+    out = [tuned] + [Candidate(f"candidate{i + 2}", c.policy, c.predicted_s, c.error, True)
+                     for i, c in enumerate(chosen)]
+    exact = result.exact
+    if exact is not None and k > 0 and all(c.policy.id != exact.policy.id for c in out):
+        out.append(exact)  # the best exact option is always measured (see exact_margin)
+    return out
 
 
 def _plain(policy: Policy) -> dict[str, Any]:
