@@ -7,7 +7,8 @@ the same initial weights. A step is timed from before ``zero_grad`` to after the
 optimizer step, on every rank; the step time is the slowest rank's.
 
 This module's :func:`rank_measure` runs on each rank (through :func:`autotune.launch`
-or torchrun) and returns JSON-friendly results.
+or torchrun) and returns JSON-friendly results; :func:`run_bench` launches it, on the
+set-ups :func:`bench_setups` lists for ``autotune bench``.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from autotune.errors import AutotuneError
-from autotune.launch import set_rank_threads
-from autotune.presets import PRESETS
+from autotune.launch import Placement, launch, set_rank_threads
+from autotune.presets import PRESETS, preset
 
-__all__ = ["Setup", "rank_measure", "summarize"]
+if TYPE_CHECKING:
+    from autotune.policies import Policy
+
+__all__ = ["Setup", "bench_setups", "rank_measure", "run_bench", "summarize"]
 
 # What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
 # communication hooks, the compute-only floor.
@@ -296,6 +300,36 @@ def rank_measure(
         results.append(entry)
     return {"world_size": dist.get_world_size(), "workload": work.name, "results": results,
             "rounds": done, "measure_s": measure_s}
+
+
+def bench_setups(presets: Sequence[str], policy: Policy | None = None) -> list[dict[str, Any]]:
+    """The set-ups of a bench: the presets named (by :func:`autotune.presets.preset`
+    name), as users run them (DDP's defaults, PyTorch's own hooks), then ``policy``
+    (named ``"policy"``) if given, then the compute-only floor (``"floor"``)."""
+    setups = [preset(name).setup(name) for name in presets]
+    if policy is not None:
+        setups.append({"name": "policy", "kind": "policy", "policy": policy.to_dict()})
+    setups.append({"name": "floor", "kind": "floor"})
+    return setups
+
+
+def run_bench(
+    workload: str,
+    placement: Placement,
+    setups: Sequence[dict[str, Any]],
+    *,
+    rounds: int,
+    block: int = 3,
+    warmup: int = 3,
+    timeout: float = 7200.0,
+) -> dict[str, Any]:
+    """Start the ranks ``placement`` describes and measure ``setups`` on them with
+    :func:`rank_measure` (every set-up for ``rounds`` interleaved blocks of ``block``
+    steps after ``warmup`` untimed ones); rank 0's result. ``timeout``: seconds the
+    job may take."""
+    return launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
+                  kwargs={"workload": workload, "setups": list(setups), "rounds": rounds,
+                          "block": block, "warmup": warmup})[0]
 
 
 def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:

@@ -16,7 +16,7 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-__all__ = ["PREFIX", "rank_reporter", "Bars"]
+__all__ = ["PREFIX", "rank_reporter", "line_reader", "Bars"]
 
 PREFIX = "@@autotune-progress "
 # Set by the parent for ranks whose progress it draws.
@@ -36,6 +36,23 @@ def rank_reporter(rank: int) -> Report:
         sys.stdout.flush()
 
     return report
+
+
+def line_reader(report: Report) -> Callable[[int, str], bool]:
+    """For ``launch(on_line=...)``: hand protocol lines to ``report``, pass the others
+    through (a line that is not one returns False, so it is logged as usual)."""
+
+    def on_line(rank: int, line: str) -> bool:
+        if not line.startswith(PREFIX):
+            return False
+        try:
+            data = json.loads(line[len(PREFIX):])
+            report(str(data["phase"]), float(data["fraction"]))
+        except (ValueError, KeyError, TypeError):
+            return False
+        return True
+
+    return on_line
 
 
 class Bars:
@@ -78,11 +95,4 @@ class Bars:
 
     def on_line(self, rank: int, line: str) -> bool:
         """For ``launch(on_line=...)``: draw protocol lines, pass the others through."""
-        if not line.startswith(PREFIX):
-            return False
-        try:
-            data = json.loads(line[len(PREFIX):])
-            self.report(str(data["phase"]), float(data["fraction"]))
-        except (ValueError, KeyError, TypeError):
-            return False
-        return True
+        return line_reader(self.report)(rank, line)

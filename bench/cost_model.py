@@ -35,8 +35,8 @@ from scipy.stats import spearmanr
 from autotune.emulate import EmulatedCluster
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
-from autotune.launch import launch
 from autotune.links import parse_link
+from autotune.measure import run_bench
 from autotune.models.cost_model import CostModel
 from autotune.policies import Policy
 from autotune.probes.run import profile_job
@@ -71,9 +71,7 @@ def _measure(cluster: EmulatedCluster, workload: str, setups: list[tuple[str, Po
         part = setups[start:start + chunk]
         specs = [{"name": name, "kind": "ddp"} if pol is None else
                  {"name": name, "kind": "policy", "policy": pol.to_dict()} for name, pol in part]
-        result = launch("autotune.measure:rank_measure", placement=cluster, timeout=3600,
-                        kwargs={"workload": workload, "setups": specs, "rounds": rounds,
-                                "block": block})[0]
+        result = run_bench(workload, cluster, specs, rounds=rounds, block=block, timeout=3600)
         for r in result["results"]:
             times[r["name"]] = r["step_s"]
     return times

@@ -26,7 +26,8 @@ from rich.table import Table
 from autotune import compressors
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
-from autotune.launch import launch
+from autotune.launch import local_placement
+from autotune.measure import run_bench
 from autotune.policies import Policy
 from autotune.workloads import resolve_workload
 
@@ -66,13 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
 
     console.print(f"run 1: plain DDP vs wrap(policy none), {args.rounds} x {args.block} steps each")
-    overhead = launch(
-        "autotune.measure:rank_measure", world,
-        {"workload": args.workload, "rounds": args.rounds, "block": args.block,
-         "setups": [{"name": "ddp", "kind": "ddp"},
-                    {"name": "none", "policy": _policy("none", {})}]},
-        timeout=1800,
-    )[0]
+    overhead = run_bench(args.workload, local_placement(world),
+                         [{"name": "ddp", "kind": "ddp"}, {"name": "none", "policy": _policy("none", {})}],
+                         rounds=args.rounds, block=args.block, timeout=1800)
     med = {r["name"]: statistics.median(r["step_s"]) for r in overhead["results"]}
     ratio = med["none"] / med["ddp"]
 
@@ -80,12 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     setups = [{"name": "ddp", "kind": "ddp"}] + [
         {"name": name, "policy": _policy(name, spec)} for name, spec in COMPRESSORS
     ]
-    each = launch(
-        "autotune.measure:rank_measure", world,
-        {"workload": args.workload, "rounds": args.rounds_all, "block": args.block,
-         "setups": setups},
-        timeout=3600,
-    )[0]
+    each = run_bench(args.workload, local_placement(world), setups, rounds=args.rounds_all,
+                     block=args.block, timeout=3600)
     ddp_median = statistics.median(each["results"][0]["step_s"])
     rows = []
     for r, (name, spec) in zip(each["results"][1:], COMPRESSORS):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -69,26 +68,18 @@ def add_bench_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def run_bench(args: argparse.Namespace, policy: Any = None) -> dict[str, Any]:
-    """Measure; shared with ``autotune demo``."""
-    from autotune.launch import launch
+def measure(workload: str, where: Any, baselines: list[str], policy: Any, steps: int,
+            block: int, warmup: int) -> dict[str, Any]:
+    """:func:`autotune.measure.run_bench` of the baselines, ``policy`` and the floor,
+    ``steps`` per configuration in blocks of ``block``, under a status line."""
+    from autotune.measure import bench_setups, run_bench
 
-    setups = [BASELINES[name].setup(name) for name in args.baselines]
-    if policy is not None:
-        setups.append({"name": "policy", "kind": "policy", "policy": policy.to_dict()})
-    setups.append({"name": "floor", "kind": "floor"})
-    rounds = max(1, -(-args.steps // args.block))
-    out = console()
-    with placement(args) as where, out.status(
-        f"measuring {len(setups)} configurations, {rounds} interleaved blocks of {args.block} steps"
+    setups = bench_setups(baselines, policy)
+    rounds = max(1, -(-steps // block))
+    with console().status(
+        f"measuring {len(setups)} configurations, {rounds} interleaved blocks of {block} steps"
     ):
-        result = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
-                        kwargs={"workload": args.workload, "setups": setups, "rounds": rounds,
-                                "block": args.block, "warmup": args.warmup})[0]
-    for r in result["results"]:
-        r["step_s_median"] = statistics.median(r["step_s"])
-    result.update(link=args.link, hosts=args.hosts, nproc_per_node=args.nproc_per_node)
-    return result
+        return run_bench(workload, where, setups, rounds=rounds, block=block, warmup=warmup)
 
 
 def print_bench(result: dict[str, Any]) -> None:
@@ -148,7 +139,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_out_path(args.json, "results")
     if not args.baselines and policy is None:
         raise AutotuneError("nothing to measure: give --policy or at least one baseline")
-    result = run_bench(args, policy)
+    with placement(args) as where:
+        result = measure(args.workload, where, args.baselines, policy, args.steps, args.block,
+                         args.warmup)
+    result.update(link=args.link, hosts=args.hosts, nproc_per_node=args.nproc_per_node)
     print_bench(result)
     if args.breakdown:
         print_breakdown(result)

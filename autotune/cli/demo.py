@@ -76,17 +76,17 @@ def verdict(bench: dict[str, Any], result: Any, policy: Any) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from autotune.cli.bench import DEFAULT_BASELINES, print_bench, run_bench
-    from autotune.cli.profile import take_profile
+    from autotune.cli.bench import DEFAULT_BASELINES, measure, print_bench
+    from autotune.cli.profile import cluster, probe
+    from autotune.cli.tune import print_verification
     from autotune.emulate import available
     from autotune.errors import AutotuneError
     from autotune.jsonio import write_atomic
     from autotune.report import require_matplotlib, write_report
     from autotune.report.data import load_study
-    from autotune.cli.profile import placement
-    from autotune.cli.tune import print_verification
     from autotune.search.tuner import baseline_policies, tune
     from autotune.search.verify import DEFAULT_CANDIDATES, verify_result
+    from autotune.workloads import resolve_workload
 
     out = console()
     try:
@@ -97,24 +97,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     emulate, why = available()
-    if args.link == "none" or not emulate:
-        where = "2 local ranks on loopback" + ("" if args.link == "none" else f" ({why})")
-        args.hosts, args.nproc_per_node, args.link = 1, 2, None
+    link: str | None = args.link
+    if link == "none" or not emulate:
+        where = "2 local ranks on loopback" + ("" if link == "none" else f" ({why})")
+        hosts, nproc_per_node, link = 1, 2, None
     else:
-        where = f"2 emulated hosts joined by a {args.link} link, one rank each"
-        args.hosts, args.nproc_per_node = 2, 1
+        where = f"2 emulated hosts joined by a {link} link, one rank each"
+        hosts, nproc_per_node = 2, 1
     out.print(f"[bold]autotune demo[/bold]: {args.workload} on {where}")
 
     out.rule("1. profile")
-    profile = take_profile(args)
+    resolve_workload(args.workload)  # a bad spec fails here, before any rank starts
+    with cluster(hosts, nproc_per_node, link) as ranks:
+        profile = probe(args.workload, ranks, args.budget_s, args.steps, link)
     profile.save(args.out_dir / "profile.json")
     out.print(f"wrote {args.out_dir / 'profile.json'}")
 
     out.rule("2. tune, then verify by measurement")
     storage = f"sqlite:///{(args.out_dir / 'study.db').resolve()}"
     result = tune(profile, trials=args.trials, storage=storage, top_k=4 * DEFAULT_CANDIDATES)
-    with placement(args) as where, out.status("verifying the best candidates beside the baselines"):
-        policy, _ = verify_result(result, DEFAULT_CANDIDATES, args.workload, where,
+    with cluster(hosts, nproc_per_node, link) as ranks, \
+            out.status("verifying the best candidates beside the baselines"):
+        policy, _ = verify_result(result, DEFAULT_CANDIDATES, args.workload, ranks,
                                   backend=str(profile.env.get("backend", "gloo")))
     print_verification(out, policy.meta)
     policy.save(args.out_dir / "policy.json")
@@ -123,9 +127,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"bucket cap {policy.bucket_cap_mb:g} MB, compressors: {', '.join(layers)}")
 
     out.rule("3. measure, interleaved")
-    args.baselines = list(DEFAULT_BASELINES)
-    args.block, args.warmup = 3, 3
-    bench = run_bench(args, policy)
+    with cluster(hosts, nproc_per_node, link) as ranks:
+        bench = measure(args.workload, ranks, list(DEFAULT_BASELINES), policy, args.steps,
+                        block=3, warmup=3)
+    bench.update(link=link, hosts=hosts, nproc_per_node=nproc_per_node)
     print_bench(bench)
     write_atomic(args.out_dir / "bench.json", json.dumps(bench, indent=1) + "\n", AutotuneError, "results")
     out.print(verdict(bench, result, policy) + f" (demo took {time.perf_counter() - started:.0f} s)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -60,20 +61,27 @@ def add_profile_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def placement(args: argparse.Namespace) -> Iterator[Any]:
-    """The ranks' placement: local, or an emulated cluster that is removed afterwards."""
+    """The ranks' placement ``--hosts``, ``--nproc-per-node`` and ``--link`` describe."""
+    with cluster(args.hosts, args.nproc_per_node, args.link) as where:
+        yield where
+
+
+@contextlib.contextmanager
+def cluster(hosts: int, nproc_per_node: int, link: str | None) -> Iterator[Any]:
+    """Local ranks (``hosts`` 1), or an emulated cluster that is removed afterwards."""
     from autotune.launch import local_placement
 
-    if args.hosts == 1:
-        if args.link is not None:
+    if hosts == 1:
+        if link is not None:
             raise ClusterError("--link shapes the links between emulated hosts: give --hosts 2 or more")
-        yield local_placement(args.nproc_per_node)
+        yield local_placement(nproc_per_node)
         return
-    if args.link is None:
-        raise ClusterError(f"--hosts {args.hosts} needs --link RATE (e.g. --link 1gbit)")
+    if link is None:
+        raise ClusterError(f"--hosts {hosts} needs --link RATE (e.g. --link 1gbit)")
     from autotune.emulate import EmulatedCluster
 
-    with EmulatedCluster(args.hosts, parse_link(args.link), nproc_per_node=args.nproc_per_node) as cluster:
-        yield cluster
+    with EmulatedCluster(hosts, parse_link(link), nproc_per_node=nproc_per_node) as emulated:
+        yield emulated
 
 
 def check_out_path(path: Path, what: str = "output") -> None:
@@ -85,41 +93,33 @@ def check_out_path(path: Path, what: str = "output") -> None:
     check_writable(path, AutotuneError, what)
 
 
-def take_profile(args: argparse.Namespace) -> Any:
-    """Probe the job ``args`` describes (workload, cluster, budget, steps); a Profile."""
-    from autotune.launch import init_from_env, under_torchrun
-    from autotune.probes.profile import Profile
-    from autotune.probes.run import PHASES, profile_job, rank_profile
+def probe(workload: str, where: Any, budget_s: float, steps: int, link: str | None) -> Any:
+    """:func:`autotune.probes.run.take_profile` with progress bars (on rank 0 only, under
+    torchrun, where ``where`` is None); a Profile, or None on the other ranks."""
+    from autotune.probes.run import PHASES, take_profile
     from autotune.progress import Bars
-    from autotune.workloads import resolve_workload
 
-    out = console()
-    resolve_workload(args.workload)  # a bad spec fails here, before any rank starts
-    kwargs = {"workload": args.workload, "budget_s": args.budget_s, "steps": args.steps,
-              "link": args.link}
-    if under_torchrun():
-        import torch.distributed as dist
-
-        init_from_env()
-        if dist.get_rank() != 0:
-            rank_profile(**kwargs, report=lambda phase, fraction: None)
-            return None
-        with Bars(out, PHASES) as bars:
-            data = rank_profile(**kwargs, report=bars.report)
-            bars.finish()
-        return Profile.from_dict(data, source="probed profile")
-    with placement(args) as where, Bars(out, PHASES) as bars:
-        profile = profile_job(where, timeout=max(600.0, 10 * args.budget_s),
-                              on_line=bars.on_line, env={"AUTOTUNE_PROGRESS": "stdout"}, **kwargs)
+    if where is None and os.environ.get("RANK", "0") != "0":
+        return take_profile(workload, None, budget_s=budget_s, steps=steps, link=link)
+    with Bars(console(), PHASES) as bars:
+        profile = take_profile(workload, where, budget_s=budget_s, steps=steps, link=link,
+                               report=bars.report)
         bars.finish()
     return profile
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autotune.cli.tables import print_profile
+    from autotune.launch import under_torchrun
+    from autotune.workloads import resolve_workload
 
     check_out_path(args.out, "profile")
-    profile = take_profile(args)
+    resolve_workload(args.workload)  # a bad spec fails here, before any rank starts
+    if under_torchrun():
+        profile = probe(args.workload, None, args.budget_s, args.steps, args.link)
+    else:
+        with placement(args) as where:
+            profile = probe(args.workload, where, args.budget_s, args.steps, args.link)
     if profile is None:  # a rank other than 0 under torchrun
         return EXIT_OK
     profile.save(args.out)

@@ -10,17 +10,20 @@ import datetime
 import os
 import platform
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from autotune._version import __version__
-from autotune.launch import Placement, launch, set_rank_threads
+from autotune.launch import Placement, init_from_env, launch, set_rank_threads
 from autotune.presets import DEFAULT_PRESETS
-from autotune.progress import Report, rank_reporter
+from autotune.progress import Report, line_reader, rank_reporter
 
-__all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment", "profile_job"]
+if TYPE_CHECKING:
+    from autotune.probes.profile import Profile
+
+__all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment", "profile_job", "take_profile"]
 
 PHASES = ["network", "compute", "codecs", "calibrate"]
 # Share of the probing budget each phase gets: the network needs the most for large
@@ -168,3 +171,50 @@ def profile_job(
     data = launch("autotune.probes.run:rank_profile", kwargs=kwargs, placement=placement,
                   timeout=timeout, on_line=on_line, env=env)[0]
     return Profile.from_dict(data, source="probed profile")
+
+
+def take_profile(
+    workload: str,
+    placement: Placement | None,
+    *,
+    budget_s: float = 60.0,
+    steps: int = 10,
+    link: str | None = None,
+    report: Report | None = None,
+) -> Profile | None:
+    """Profile a job: start its ranks where ``placement`` says and run
+    :func:`rank_profile` on each, or, with ``placement`` None, take part as one rank of
+    a job torchrun started (this process initialises the process group from its
+    environment).
+
+    A bad ``workload`` fails on the ranks; resolve it first
+    (:func:`autotune.workloads.resolve_workload`) to fail before any starts.
+
+    Args:
+        workload: workload spec (built-in name, ``file.py:fn`` or ``module:fn``).
+        placement: where the ranks run (:func:`autotune.launch.local_placement` or an
+            emulated cluster); None under torchrun.
+        budget_s: seconds of probing in all (see :data:`BUDGET_SHARES`); the launched
+            job may take ``max(600, 10 x budget_s)`` seconds.
+        steps: measured compute-probe steps.
+        link: the emulated link, recorded in the profile's environment.
+        report: ``report(phase, fraction)`` for progress over :data:`PHASES`, called in
+            this process (None: none).
+
+    Returns:
+        The validated Profile; None on ranks other than 0 under torchrun.
+    """
+    from autotune.probes.profile import Profile
+
+    kwargs: dict[str, Any] = {"workload": workload, "budget_s": budget_s, "steps": steps,
+                              "link": link}
+    if placement is None:
+        init_from_env()
+        quiet: Report = lambda phase, fraction: None  # noqa: E731
+        data = rank_profile(**kwargs, report=report if report and dist.get_rank() == 0 else quiet)
+        return None if data is None else Profile.from_dict(data, source="probed profile")
+    profile: Profile = profile_job(
+        placement, timeout=max(600.0, 10 * budget_s),
+        on_line=None if report is None else line_reader(report),
+        env=None if report is None else {"AUTOTUNE_PROGRESS": "stdout"}, **kwargs)
+    return profile
