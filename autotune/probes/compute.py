@@ -237,6 +237,194 @@ def _number(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
 
 
+@dataclass
+class _Subject:
+    """The probed copy of the model, its optimizer, and what times its steps."""
+
+    work: Workload
+    model: nn.Module
+    params: list[tuple[str, nn.Parameter]]  # trainable parameters, in named_parameters order
+    leaves: list[tuple[str, nn.Module]]  # leaf modules, in named_modules order
+    device: torch.device
+    clock: _Clock
+    optimizer: torch.optim.Optimizer
+    tools: _Instruments
+    time_backward: bool  # module backward times need the autograd sequence counter
+    batch_no: int = 0  # the next batch to draw
+
+    @classmethod
+    def of(cls, work: Workload, lr: float) -> _Subject:
+        model = copy.deepcopy(work.model)
+        model.train()
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not params:
+            raise ProfileError(f"workload {work.name!r} has no trainable parameters to probe")
+        device = params[0][1].device
+        clock = _Clock(device)
+        # Fixed options: no weight decay, so SGD leaves .grad as backward wrote it and
+        # gradients can be captured after the timed step.
+        optimizer = torch.optim.SGD([p for _, p in params], lr=lr, momentum=0.9)
+        leaves = [(n, m) for n, m in model.named_modules() if next(m.children(), None) is None]
+        time_backward = _next_sequence_nr is not None
+        if not time_backward:
+            logger.warning("this torch has no autograd sequence counter; module backward times "
+                           "are skipped (gradient-ready times are still measured)")
+        tools = _Instruments([m for _, m in leaves], [p for _, p in params], clock, time_backward)
+        return cls(work, model, params, leaves, device, clock, optimizer, tools, time_backward)
+
+    def step(self, hooked: bool) -> dict[str, Any]:
+        """One training step; its wall times, and with ``hooked`` its per-layer marks."""
+        clock = self.clock
+        inputs, targets = _to(self.work.make_batch(self.batch_no), self.device)
+        self.batch_no += 1
+        if hooked:
+            self.tools.attach()
+        try:
+            t0 = clock.mark()
+            self.optimizer.zero_grad(set_to_none=True)
+            t1 = clock.mark()
+            loss = self.work.loss_fn(self.model(inputs), targets)
+            t2 = clock.mark()
+            loss.backward()
+            t3 = clock.mark()
+            self.optimizer.step()
+            t4 = clock.mark()
+            clock.sync()
+        finally:
+            self.tools.detach()
+        out: dict[str, Any] = {
+            "step_s": clock.seconds(t0, t4),
+            "forward_s": clock.seconds(t1, t2),
+            "backward_s": clock.seconds(t2, t3),
+            "optimizer_s": clock.seconds(t0, t1) + clock.seconds(t3, t4),
+        }
+        if hooked:
+            m = self.tools.marks
+            out["module_forward"] = [sum(clock.seconds(a, b) for a, b in calls)
+                                     for calls in m.forward]
+            out["module_backward"] = [
+                sum(clock.seconds(a, b) for a, b in nodes if a is not None and b is not None)
+                for nodes in m.backward
+            ]
+            out["ready"] = [math.nan if r is None else clock.seconds(t2, r) for r in m.ready]
+        return out
+
+
+@dataclass
+class _Steps:
+    """What the measured steps gave, on this rank."""
+
+    clean: list[dict[str, Any]]
+    hooked: list[dict[str, Any]]
+    captured: list[dict[str, Tensor]]  # gradients of the last clean steps, oldest first
+    truncated: bool  # stopped early by the budget
+
+
+def _check_arguments(steps: int, warmup: int, capture: int, budget_s: float | None) -> None:
+    if steps < 1 or warmup < 0 or capture < 0:
+        raise ProfileError(
+            f"the compute probe needs steps >= 1, warmup >= 0 and capture >= 0; got "
+            f"steps={steps}, warmup={warmup}, capture={capture}"
+        )
+    if budget_s is not None and not budget_s > 0:
+        raise ProfileError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+
+
+def _any_rank(flag: bool, distributed: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``flag`` is set on any rank (one small allreduce, which also keeps the
+    ranks' steps side by side)."""
+    value = torch.tensor([float(flag)])
+    if distributed:
+        value = value.to(_coll_device(group))
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value.item() > 0
+
+
+def _run_steps(subject: _Subject, steps: int, warmup: int, budget_s: float | None,
+               capture: int, started: float, distributed: bool,
+               group: dist.ProcessGroup | None) -> _Steps:
+    """Warm up, then hooked and clean steps in pairs until ``steps`` pairs or the budget."""
+    for _ in range(warmup):
+        subject.step(hooked=False)
+    if warmup:
+        subject.step(hooked=True)  # the hooks' own first-call costs stay out of the medians
+    done = _Steps([], [], [], False)
+    for i in range(steps):
+        done.hooked.append(subject.step(hooked=True))
+        done.clean.append(subject.step(hooked=False))
+        if capture:
+            done.captured.append({n: p.grad.detach().to("cpu", copy=True)
+                                  for n, p in subject.params if p.grad is not None})
+            del done.captured[:-capture]
+        over = budget_s is not None and time.monotonic() - started > budget_s and i + 1 >= 3
+        if _any_rank(over, distributed, group) and i + 1 < steps:
+            done.truncated = True
+            logger.info("compute probe: budget of %.1f s spent after %d steps", budget_s, i + 1)
+            break
+    return done
+
+
+def _step_series(done: _Steps, distributed: bool, group: dist.ProcessGroup | None) -> Tensor:
+    """The step-level series (rows in :data:`_STEP_KEYS` order), each step the slowest
+    rank's."""
+    series = torch.tensor(
+        [[c[key] for c in done.clean] for key in _STEP_KEYS[:4]]
+        + [[h["step_s"] for h in done.hooked], [h["backward_s"] for h in done.hooked]],
+        dtype=torch.float64,
+    )
+    if distributed:
+        series = series.to(_coll_device(group))
+        dist.all_reduce(series, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's step
+        series = series.cpu()
+    return series
+
+
+def _per_layer(done: _Steps, leaves: int, params: int, distributed: bool,
+               group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per module forward and backward, per parameter ready time (medians over steps,
+    then over ranks), and the backward coverage of modules and ready times."""
+    hooked = done.hooked
+    k = len(hooked)
+
+    def per_step(key: str, width: int) -> Tensor:
+        values = [h[key] for h in hooked]
+        return _nanmedian(torch.tensor(values, dtype=torch.float64).view(k, width), dim=0)
+
+    fwd = per_step("module_forward", leaves)
+    bwd = per_step("module_backward", leaves)
+    ready = per_step("ready", params)
+    # How much of each backward pass the per-layer breakdown accounts for, compared
+    # within the same step on the same rank (across ranks or steps, CPU drift swamps it).
+    coverage = torch.tensor([
+        [sum(h["module_backward"]) / h["backward_s"] for h in hooked],
+        [max((r for r in h["ready"] if not math.isnan(r)), default=0.0) / h["backward_s"]
+         for h in hooked],
+    ], dtype=torch.float64).median(dim=1).values
+    if distributed:
+        merged = _median_over_ranks(torch.cat([fwd, bwd, ready, coverage]), group)
+        fwd, bwd, ready, coverage = merged.split([len(fwd), len(bwd), len(ready), 2])
+    return fwd, bwd, ready, coverage
+
+
+def _ready_order(ready: list[float | None]) -> list[int | None]:
+    """Each parameter's position by ready time (None where it has none); from the
+    aggregated times, so order and times never disagree."""
+    ranked = sorted((t, j) for j, t in enumerate(ready) if t is not None)
+    order: list[int | None] = [None] * len(ready)
+    for position, (_, j) in enumerate(ranked):
+        order[j] = position
+    return order
+
+
+def _gradients(captured: list[dict[str, Tensor]]) -> dict[str, list[Tensor]]:
+    """Captured snapshots regrouped by parameter name, oldest first."""
+    grads: dict[str, list[Tensor]] = {}
+    for snapshot in captured:
+        for name, g in snapshot.items():
+            grads.setdefault(name, []).append(g)
+    return grads
+
+
 def probe_compute(
     work: Workload,
     steps: int = 10,
@@ -280,153 +468,36 @@ def probe_compute(
     Raises:
         ProfileError: bad arguments, or ranks hold different models.
     """
-    if steps < 1 or warmup < 0 or capture < 0:
-        raise ProfileError(
-            f"the compute probe needs steps >= 1, warmup >= 0 and capture >= 0; got "
-            f"steps={steps}, warmup={warmup}, capture={capture}"
-        )
-    if budget_s is not None and not budget_s > 0:
-        raise ProfileError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    _check_arguments(steps, warmup, capture, budget_s)
     started = time.monotonic()
     distributed = _distributed()
-
-    model = copy.deepcopy(work.model)
-    model.train()
-    param_items = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not param_items:
-        raise ProfileError(f"workload {work.name!r} has no trainable parameters to probe")
-    device = param_items[0][1].device
-    clock = _Clock(device)
-    # Fixed options: no weight decay, so SGD leaves .grad as backward wrote it and
-    # gradients can be captured after the timed step.
-    optimizer = torch.optim.SGD([p for _, p in param_items], lr=lr, momentum=0.9)
-    leaf_items = [(n, m) for n, m in model.named_modules() if next(m.children(), None) is None]
-    time_backward = _next_sequence_nr is not None
-    if not time_backward:
-        logger.warning("this torch has no autograd sequence counter; module backward times "
-                       "are skipped (gradient-ready times are still measured)")
-    tools = _Instruments([m for _, m in leaf_items], [p for _, p in param_items], clock,
-                         time_backward)
+    subject = _Subject.of(work, lr)
     if distributed:
-        _check_same_structure([n for n, _ in leaf_items] + [n for n, _ in param_items], group)
-
-    batch_no = 0
-
-    def run_step(hooked: bool) -> dict[str, Any]:
-        nonlocal batch_no
-        inputs, targets = _to(work.make_batch(batch_no), device)
-        batch_no += 1
-        if hooked:
-            tools.attach()
-        try:
-            t0 = clock.mark()
-            optimizer.zero_grad(set_to_none=True)
-            t1 = clock.mark()
-            loss = work.loss_fn(model(inputs), targets)
-            t2 = clock.mark()
-            loss.backward()
-            t3 = clock.mark()
-            optimizer.step()
-            t4 = clock.mark()
-            clock.sync()
-        finally:
-            tools.detach()
-        out = {
-            "step_s": clock.seconds(t0, t4),
-            "forward_s": clock.seconds(t1, t2),
-            "backward_s": clock.seconds(t2, t3),
-            "optimizer_s": clock.seconds(t0, t1) + clock.seconds(t3, t4),
-        }
-        if hooked:
-            m = tools.marks
-            out["module_forward"] = [sum(clock.seconds(a, b) for a, b in calls)
-                                     for calls in m.forward]
-            out["module_backward"] = [
-                sum(clock.seconds(a, b) for a, b in nodes if a is not None and b is not None)
-                for nodes in m.backward
-            ]
-            out["ready"] = [math.nan if r is None else clock.seconds(t2, r) for r in m.ready]
-        return out
-
-    for _ in range(warmup):
-        run_step(hooked=False)
-    if warmup:
-        run_step(hooked=True)  # the hooks' own first-call costs stay out of the medians
-
-    clean_steps: list[dict[str, Any]] = []
-    hooked_steps: list[dict[str, Any]] = []
-    captured: list[dict[str, Tensor]] = []
-    truncated = False
-    for i in range(steps):
-        hooked_steps.append(run_step(hooked=True))
-        clean_steps.append(run_step(hooked=False))
-        if capture:
-            captured.append({n: p.grad.detach().to("cpu", copy=True)
-                             for n, p in param_items if p.grad is not None})
-            del captured[:-capture]
-        over = budget_s is not None and time.monotonic() - started > budget_s and i + 1 >= 3
-        stop = torch.tensor([float(over)])
-        if distributed:
-            stop = stop.to(_coll_device(group))
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=group)
-        if stop.item() > 0 and i + 1 < steps:
-            truncated = True
-            logger.info("compute probe: budget of %.1f s spent after %d steps", budget_s, i + 1)
-            break
-
-    k = len(clean_steps)
-    series = torch.tensor(
-        [[c[key] for c in clean_steps] for key in _STEP_KEYS[:4]]
-        + [[h["step_s"] for h in hooked_steps], [h["backward_s"] for h in hooked_steps]],
-        dtype=torch.float64,
-    )
-    if distributed:
-        series = series.to(_coll_device(group))
-        dist.all_reduce(series, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's step
-        series = series.cpu()
-
-    def per_step(key: str, width: int) -> Tensor:
-        values = [h[key] for h in hooked_steps]
-        return _nanmedian(torch.tensor(values, dtype=torch.float64).view(k, width), dim=0)
-
-    fwd = per_step("module_forward", len(leaf_items))
-    bwd = per_step("module_backward", len(leaf_items))
-    ready = per_step("ready", len(param_items))
-    # How much of each backward pass the per-layer breakdown accounts for, compared
-    # within the same step on the same rank (across ranks or steps, CPU drift swamps it).
-    coverage = torch.tensor([
-        [sum(h["module_backward"]) / h["backward_s"] for h in hooked_steps],
-        [max((r for r in h["ready"] if not math.isnan(r)), default=0.0) / h["backward_s"]
-         for h in hooked_steps],
-    ], dtype=torch.float64).median(dim=1).values
-    if distributed:
-        merged = _median_over_ranks(torch.cat([fwd, bwd, ready, coverage]), group)
-        fwd, bwd, ready, coverage = merged.split([len(fwd), len(bwd), len(ready), 2])
-
-    # Order by the aggregated times, so order and times never disagree.
+        _check_same_structure([n for n, _ in subject.leaves] + [n for n, _ in subject.params], group)
+    done = _run_steps(subject, steps, warmup, budget_s, capture, started, distributed, group)
+    series = _step_series(done, distributed, group)
+    fwd, bwd, ready, coverage = _per_layer(done, len(subject.leaves), len(subject.params),
+                                           distributed, group)
     ready_list = [_number(x) for x in ready.tolist()]
-    ranked = sorted((t, j) for j, t in enumerate(ready_list) if t is not None)
-    order: list[int | None] = [None] * len(param_items)
-    for position, (_, j) in enumerate(ranked):
-        order[j] = position
-
+    order = _ready_order(ready_list)
+    time_backward = subject.time_backward
     result: dict[str, Any] = {
-        "steps": k,
+        "steps": len(done.clean),
         "warmup": warmup,
-        "device": device.type,
+        "device": subject.device.type,
         "threads": torch.get_num_threads(),
         "world_size": dist.get_world_size(group) if distributed else 1,
         **{key: series[row].tolist() for row, key in enumerate(_STEP_KEYS)},
         "modules": [
             {"name": name, "type": type(module).__name__, "forward_s": _number(f),
              "backward_s": _number(b) if time_backward else None}
-            for (name, module), f, b in zip(leaf_items, fwd.tolist(), bwd.tolist())
+            for (name, module), f, b in zip(subject.leaves, fwd.tolist(), bwd.tolist())
         ],
         "params": [
             {"name": name, "shape": list(p.shape), "numel": p.numel(),
              "dtype": str(p.dtype).removeprefix("torch."), "ready_s": ready_list[j],
              "ready_order": order[j]}
-            for j, (name, p) in enumerate(param_items)
+            for j, (name, p) in enumerate(subject.params)
         ],
         "backward_coverage": {
             # median over steps (and ranks) of breakdown / backward wall, same step
@@ -434,14 +505,10 @@ def probe_compute(
             "ready": _number(coverage[1].item()),
         },
         "backward_timing": "autograd-nodes" if time_backward else "none",
-        "backward_hooks_skipped": [] if time_backward else [n for n, _ in leaf_items],
-        "truncated": truncated,
+        "backward_hooks_skipped": [] if time_backward else [n for n, _ in subject.leaves],
+        "truncated": done.truncated,
     }
-    grads: dict[str, list[Tensor]] = {}
-    for snapshot in captured:
-        for name, g in snapshot.items():
-            grads.setdefault(name, []).append(g)
-    return result, grads
+    return result, _gradients(done.captured)
 
 
 def backward_sum_vs_wall(
