@@ -354,82 +354,93 @@ def _measure_spec(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One configuration: timing per distinct shape, errors per parameter; parameters
     with a row plan are measured on their rows where that stands for the whole."""
-    spec_dict = spec.to_dict()
-    label = spec.label()
-    shape_rows = []
     timer = compressors.create(spec.name, **spec.kwargs)
-    for shape, name in shapes.items():
-        g = grads[name][-1].to(device)
-        plan = plans.get(name)
-        index = plan.sample if plan is not None else None
-        if index is not None and not _stands_for(timer, shape, index.numel(), world_size):
-            index = None
-        x0 = g if index is None else g.index_select(0, index.to(device))
-        seconds = _time_reduce(timer, x0, name, world_size, reps, device)
-        # data-dependent methods send what this tensor holds: sized at its density
-        density = row_density(x0) if timer.density_dependent else None
-        messages = {k: int(v) for k, v in timer.wire_messages(shape, world_size, density).items()}
-        # every method's work is linear in the elements, or for PowerSGD in
-        # rows * cols * rank, of which a row sample keeps cols and the rank
-        scale = g.numel() / x0.numel()
-        row: dict[str, Any] = {
-            "spec": spec_dict, "label": label, "shape": list(shape),
-            "numel": g.numel(), "encode_decode_s": seconds * scale,
-            "wire_bytes": sum(messages.values()),
-            "wire_messages": messages, "measured": "full",
-        }
-        if density is not None:
-            # the cost model reads the density it was timed at (a row sample keeps the
-            # tensor's share of live rows), and, for a sparse tensor, a second point
-            # with more of its rows filled, so that it can tell work per row sent from
-            # the pass over the whole tensor
-            row["row_density"] = density
-            if density < DENSER_AT / 2 and x0.dim() and x0.shape[0] >= 2:
-                denser = _denser(x0, DENSER_AT, zlib.crc32(name.encode()))
-                row["denser"] = {"row_density": row_density(denser), "encode_decode_s":
-                                 _time_reduce(timer, denser, name, world_size, reps, device)
-                                 * scale}
-        if index is not None:
-            row.update(measured="sample",
-                       sample={"param": name, "rows": int(x0.shape[0]), "numel": x0.numel(),
-                               "encode_decode_s": seconds})
-        shape_rows.append(row)
-
-    error_rows = []
+    shape_rows = [_time_cell(spec, timer, shape, grads[name][-1], name, plans.get(name),
+                             world_size, reps, device) for shape, name in shapes.items()]
     comm = LocalComm(world_size)
-    for name, steps in grads.items():
-        shape = tuple(steps[0].shape)
-        mode, index, run = _error_mode(spec, timer, shape, plans.get(name), world_size)
-        comp = compressors.create(run.name, **run.kwargs)
-        rel_steps: list[float | None] = []
-        cum_steps: list[float | None] = []
-        sum_g: Tensor | None = None
-        sum_c: Tensor | None = None
-        for grad in steps:  # in captured order: the compressor's state carries over
-            if index is not None:
-                grad = grad.index_select(0, index.to(grad.device))
-            out = grad.to(device, copy=True)  # compressed in the gradient's own dtype
-            comp.reduce([out], [name], comm)
-            g, c = grad.to(device, torch.float32), out.float()
-            rel_steps.append(_rel(g - c, g))
-            sum_g = g.clone() if sum_g is None else sum_g.add_(g)
-            sum_c = c.clone() if sum_c is None else sum_c.add_(c)
-            cum_steps.append(_rel(sum_g - sum_c, sum_g))
-        # The first step has no error feedback yet; it stands alone only if it is all.
-        tail = [e for e in (rel_steps[1:] or rel_steps) if e is not None]
-        error_row: dict[str, Any] = {
-            "spec": spec_dict, "label": label, "param": name,
-            "rel_error": statistics.fmean(tail) if tail else None,
-            "rel_error_steps": rel_steps,
-            "cum_error": cum_steps[-1],
-            "cum_error_steps": cum_steps,
-            "measured": mode,
-        }
-        plan = plans.get(name)
-        if plan is not None and mode != "full":
-            error_row["sample"] = plan.describe(mode, shape)
-        error_rows.append(error_row)
+    error_rows = [_error_cell(spec, timer, name, steps, plans.get(name), world_size, device,
+                              comm) for name, steps in grads.items()]
     return shape_rows, error_rows
+
+
+def _time_cell(spec: CompressorSpec, timer: compressors.Compressor, shape: tuple[int, ...],
+               grad: Tensor, name: str, plan: RowPlan | None, world_size: int, reps: int,
+               device: torch.device) -> dict[str, Any]:
+    """Encode+decode time and wire bytes of one configuration on one shape (``grad``,
+    the last captured gradient of a parameter of that shape), on its row sample where
+    that stands for it, scaled to the whole."""
+    g = grad.to(device)
+    index = plan.sample if plan is not None else None
+    if index is not None and not _stands_for(timer, shape, index.numel(), world_size):
+        index = None
+    x0 = g if index is None else g.index_select(0, index.to(device))
+    seconds = _time_reduce(timer, x0, name, world_size, reps, device)
+    # data-dependent methods send what this tensor holds: sized at its density
+    density = row_density(x0) if timer.density_dependent else None
+    messages = {k: int(v) for k, v in timer.wire_messages(shape, world_size, density).items()}
+    # every method's work is linear in the elements, or for PowerSGD in
+    # rows * cols * rank, of which a row sample keeps cols and the rank
+    scale = g.numel() / x0.numel()
+    row: dict[str, Any] = {
+        "spec": spec.to_dict(), "label": spec.label(), "shape": list(shape),
+        "numel": g.numel(), "encode_decode_s": seconds * scale,
+        "wire_bytes": sum(messages.values()),
+        "wire_messages": messages, "measured": "full",
+    }
+    if density is not None:
+        # the cost model reads the density it was timed at (a row sample keeps the
+        # tensor's share of live rows), and, for a sparse tensor, a second point
+        # with more of its rows filled, so that it can tell work per row sent from
+        # the pass over the whole tensor
+        row["row_density"] = density
+        if density < DENSER_AT / 2 and x0.dim() and x0.shape[0] >= 2:
+            denser = _denser(x0, DENSER_AT, zlib.crc32(name.encode()))
+            row["denser"] = {"row_density": row_density(denser), "encode_decode_s":
+                             _time_reduce(timer, denser, name, world_size, reps, device)
+                             * scale}
+    if index is not None:
+        row.update(measured="sample",
+                   sample={"param": name, "rows": int(x0.shape[0]), "numel": x0.numel(),
+                           "encode_decode_s": seconds})
+    return row
+
+
+def _error_cell(spec: CompressorSpec, timer: compressors.Compressor, name: str,
+                steps: Sequence[Tensor], plan: RowPlan | None, world_size: int,
+                device: torch.device, comm: LocalComm) -> dict[str, Any]:
+    """One configuration's error on one parameter's captured steps, its state carried
+    from step to step: on its live rows or row sample where that is exact or stands for
+    it (:func:`_error_mode`)."""
+    shape = tuple(steps[0].shape)
+    mode, index, run = _error_mode(spec, timer, shape, plan, world_size)
+    comp = compressors.create(run.name, **run.kwargs)
+    rel_steps: list[float | None] = []
+    cum_steps: list[float | None] = []
+    sum_g: Tensor | None = None
+    sum_c: Tensor | None = None
+    for grad in steps:  # in captured order: the compressor's state carries over
+        if index is not None:
+            grad = grad.index_select(0, index.to(grad.device))
+        out = grad.to(device, copy=True)  # compressed in the gradient's own dtype
+        comp.reduce([out], [name], comm)
+        g, c = grad.to(device, torch.float32), out.float()
+        rel_steps.append(_rel(g - c, g))
+        sum_g = g.clone() if sum_g is None else sum_g.add_(g)
+        sum_c = c.clone() if sum_c is None else sum_c.add_(c)
+        cum_steps.append(_rel(sum_g - sum_c, sum_g))
+    # The first step has no error feedback yet; it stands alone only if it is all.
+    tail = [e for e in (rel_steps[1:] or rel_steps) if e is not None]
+    error_row: dict[str, Any] = {
+        "spec": spec.to_dict(), "label": spec.label(), "param": name,
+        "rel_error": statistics.fmean(tail) if tail else None,
+        "rel_error_steps": rel_steps,
+        "cum_error": cum_steps[-1],
+        "cum_error_steps": cum_steps,
+        "measured": mode,
+    }
+    if plan is not None and mode != "full":
+        error_row["sample"] = plan.describe(mode, shape)
+    return error_row
 
 
 def _time_reduce(comp: compressors.Compressor, x0: Tensor, name: str, world_size: int,
@@ -559,6 +570,35 @@ def probe_codecs(
     """
     started = time.monotonic()
     steps = _check_grads(grads)
+    _check_arguments(world_size, reps, budget_s, sample_above, sample_numel)
+    specs = [CompressorSpec.from_dict(d) for d in (DEFAULT_GRID if grid is None else grid)]
+    first = next(iter(grads.values()))[0]
+    where = torch.device(device) if device is not None else first.device
+    shapes = _representatives(grads)
+    plans = _row_plans(grads, sample_above, sample_numel)
+    # what this rank's gradients look like: non-zero rows per step (a pass per tensor)
+    densities = {name: [row_density(g) for g in gs] for name, gs in grads.items()}
+
+    rank, ranks = 0, 1
+    if distribute and dist.is_available() and dist.is_initialized():
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    mine = list(range(rank, len(specs), ranks))
+    done, skipped = _measure_share(specs, mine, grads, shapes, plans, world_size, reps, where,
+                                   started, budget_s)
+    _retime_in_full(done, grads, world_size, where, started, budget_s)
+
+    part: dict[str, Any] = {
+        "done": {str(i): {"shapes": s, "errors": e} for i, (s, e) in done.items()},
+        "skipped": skipped,
+        "densities": densities,
+    }
+    parts = _all_gather_json(part, group) if ranks > 1 else [part]
+    return _combine(parts, specs, grads, plans, world_size, steps, reps, sample_above,
+                    sample_numel, started)
+
+
+def _check_arguments(world_size: int, reps: int, budget_s: float | None,
+                     sample_above: int | None, sample_numel: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ProfileError(f"world_size must be an int >= 1, got {world_size!r}")
     if reps < 1:
@@ -568,37 +608,52 @@ def probe_codecs(
     if sample_above is not None and (sample_above < 1 or sample_numel < 1):
         raise ProfileError(f"sample_above and sample_numel must be >= 1, got {sample_above} "
                            f"and {sample_numel}")
-    specs = [CompressorSpec.from_dict(d) for d in (DEFAULT_GRID if grid is None else grid)]
-    first = next(iter(grads.values()))[0]
-    where = torch.device(device) if device is not None else first.device
 
-    # One representative gradient per distinct shape: encode+decode time depends on the
-    # shape, not on which parameter has it.
+
+def _representatives(grads: Mapping[str, Sequence[Tensor]]) -> dict[tuple[int, ...], str]:
+    """One parameter per distinct shape: encode+decode time depends on the shape, not on
+    which parameter has it."""
     shapes: dict[tuple[int, ...], str] = {}
     for name, gs in grads.items():
         shapes.setdefault(tuple(gs[0].shape), name)
+    return shapes
+
+
+def _row_plans(grads: Mapping[str, Sequence[Tensor]], sample_above: int | None,
+               sample_numel: int) -> dict[str, RowPlan]:
+    """The parameters measured on their rows (None: none), with their rows."""
     plans: dict[str, RowPlan] = {}
     if sample_above is not None:
         for name, gs in grads.items():
             plan = row_plan(name, gs, sample_above, sample_numel)
             if plan is not None:
                 plans[name] = plan
+    return plans
 
-    # what this rank's gradients look like: non-zero rows per step (a pass per tensor)
-    densities = {name: [row_density(g) for g in gs] for name, gs in grads.items()}
 
-    rank, ranks = 0, 1
-    if distribute and dist.is_available() and dist.is_initialized():
-        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    mine = list(range(rank, len(specs), ranks))
-
-    # the first configuration of each method, and the baselines, are measured whatever
-    # the budget
+def _essential(specs: Sequence[CompressorSpec]) -> set[int]:
+    """The configurations measured whatever the budget: the first of each method (so
+    the cost model can price every method) and the baselines'."""
     first_of_name = {spec.name: i for i, spec in reversed(list(enumerate(specs)))}
     baselines = {CompressorSpec.from_dict(d).canonical() for d in BASELINE_SPECS.values()}
     essential = set(first_of_name.values())
     essential |= {i for i, spec in enumerate(specs) if spec.canonical() in baselines}
-    done: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    return essential
+
+
+_Cells = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (time rows, error rows)
+
+
+def _measure_share(
+    specs: Sequence[CompressorSpec], mine: Sequence[int], grads: Mapping[str, Sequence[Tensor]],
+    shapes: Mapping[tuple[int, ...], str], plans: Mapping[str, RowPlan], world_size: int,
+    reps: int, where: torch.device, started: float, budget_s: float | None,
+) -> tuple[dict[int, _Cells], list[int]]:
+    """This rank's configurations (indices ``mine`` into ``specs``) measured in turn;
+    once the budget is spent, only essential ones. The cells by index, and the
+    indices skipped."""
+    essential = _essential(specs)
+    done: dict[int, _Cells] = {}
     skipped: list[int] = []
     for index in mine:
         over = budget_s is not None and time.monotonic() - started > budget_s
@@ -613,9 +668,16 @@ def probe_codecs(
     if skipped:
         logger.info("codec probe: budget of %.1f s spent; skipped %d configurations",
                     budget_s, len(skipped))
-    # With every cell covered, budget left buys full-size timings of the scaled ones,
-    # the slowest first: scaling from a sample that fits in cache can miss what a large
-    # tensor costs in memory traffic and allocation (int8 on 6.4 M elements: 2-4x).
+    return done, skipped
+
+
+def _retime_in_full(done: Mapping[int, _Cells], grads: Mapping[str, Sequence[Tensor]],
+                    world_size: int, where: torch.device, started: float,
+                    budget_s: float | None) -> None:
+    """With every cell covered, budget left buys full-size timings of the scaled ones,
+    the slowest first (rows updated in place): scaling from a sample that fits in cache
+    can miss what a large tensor costs in memory traffic and allocation (int8 on 6.4 M
+    elements: 2-4x)."""
     scaled = sorted((row for s_rows, _ in done.values() for row in s_rows
                      if row["measured"] == "sample"), key=lambda r: -r["encode_decode_s"])
     for row in scaled:
@@ -641,12 +703,12 @@ def probe_codecs(
             row["denser"] = {"row_density": row_density(denser),
                              "encode_decode_s": _time_full(spec, denser, name, world_size, where)}
 
-    part: dict[str, Any] = {
-        "done": {str(i): {"shapes": s, "errors": e} for i, (s, e) in done.items()},
-        "skipped": skipped,
-        "densities": densities,
-    }
-    parts = _all_gather_json(part, group) if ranks > 1 else [part]
+
+def _combine(parts: Sequence[Mapping[str, Any]], specs: Sequence[CompressorSpec],
+             grads: Mapping[str, Sequence[Tensor]], plans: Mapping[str, RowPlan],
+             world_size: int, steps: int, reps: int, sample_above: int | None,
+             sample_numel: int, started: float) -> dict[str, Any]:
+    """The probe's result from every rank's part, configurations in grid order."""
     measured: dict[int, dict[str, Any]] = {}
     all_skipped: list[int] = []
     for p in parts:
