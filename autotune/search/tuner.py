@@ -20,11 +20,12 @@ of the same name is resumed and can be opened with optuna-dashboard.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from autotune.compressors import PLAIN, REGISTRY
 from autotune.errors import AutotuneError, ProfileError
@@ -36,7 +37,8 @@ from autotune.probes.profile import Profile
 from autotune.search.defaults import DEFAULT_MAX_ERROR
 from autotune.search.space import ErrorModel, SearchSpace, label_of
 
-__all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneResult", "baseline_policies", "baselines", "tune"]
+__all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneConfig", "TuneResult", "baseline_policies",
+           "baselines", "tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,65 +101,124 @@ def baselines(space: SearchSpace, model: CostModel, errors: ErrorModel,
     return out
 
 
-def tune(
-    profile: Profile,
-    max_error: float = DEFAULT_MAX_ERROR,
-    trials: int = 200,
-    seed: int = 0,
-    storage: str | None = None,
-    study_name: str | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    refine: bool = True,
-    top_k: int = 3,
-    model: CostModel | None = None,
-    what_if: WhatIf | None = None,
-    pinned: dict[str, Any] | None = None,
-    caps: tuple[float, ...] | None = None,
-    seeds: list[Policy] | None = None,
-    timeout: float | None = None,
-) -> TuneResult:
-    """Search the best policy for ``profile``.
+@dataclass(frozen=True)
+class TuneConfig:
+    """How :func:`tune` searches (``tune(profile, config)``, or its fields as keywords).
 
-    Args:
-        profile: the profile to tune on.
-        max_error: compression-error budget (see :class:`ErrorModel`).
-        trials: Optuna trials in this run (a resumed study adds this many).
+    Attributes:
+        max_error: compression-error budget (see :class:`ErrorModel`); 0 allows only
+            exact methods. :data:`DEFAULT_MAX_ERROR` is justified by bench/convergence.py.
+        trials: Optuna trials in this run (a resumed study adds this many); 200 settles
+            on the built-in workloads, more rarely pays (the refinement follows).
         seed: TPE's seed: the same profile and seed give the same policy.
         storage: an Optuna storage URL (e.g. ``sqlite:///study.db``), or None for memory.
         study_name: the study to create or resume (default: ``autotune-<fingerprint>``).
-        progress: called with (trials done, trials) after each trial.
         refine: run the per-layer refinement of the best trial.
-        top_k: distinct best trials to keep (``--verify`` measures them).
-        model: a fitted cost model (default: fitted from ``profile``).
+        top_k: distinct best trials to keep (verification measures them).
         what_if: tune for another cluster (e.g. the link the online controller measured).
         pinned: parameter name -> compressor spec the search keeps fixed.
-        caps: bucket caps to search (one value pins it).
+        caps: bucket caps to search (one value pins it; None: the whole grid).
         seeds: policies enqueued after the baselines (warm start).
         timeout: seconds after which the study stops, even before ``trials``.
     """
-    import optuna
 
-    if not (max_error >= 0 and math.isfinite(max_error)):
-        raise AutotuneError(f"max_error must be a finite number >= 0, got {max_error!r}")
-    if trials < 1:
-        raise AutotuneError(f"trials must be >= 1, got {trials}")
+    max_error: float = DEFAULT_MAX_ERROR
+    trials: int = 200
+    seed: int = 0
+    storage: str | None = None
+    study_name: str | None = None
+    refine: bool = True
+    top_k: int = 3
+    what_if: WhatIf | None = None
+    pinned: Mapping[str, Any] | None = None
+    caps: tuple[float, ...] | None = None
+    seeds: Sequence[Policy] = ()
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.max_error >= 0 and math.isfinite(self.max_error)):
+            raise AutotuneError(f"max_error must be a finite number >= 0, got {self.max_error!r}")
+        if self.trials < 1:
+            raise AutotuneError(f"trials must be >= 1, got {self.trials}")
+        object.__setattr__(self, "seeds", tuple(self.seeds or ()))
+
+
+def tune(
+    profile: Profile,
+    config: TuneConfig | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    model: CostModel | None = None,
+    **options: Any,
+) -> TuneResult:
+    """Search the best policy for ``profile``: the baselines predicted, an Optuna study
+    started from them, the best trial refined per layer, and the guard.
+
+    Args:
+        profile: the profile to tune on.
+        config: how to search (default: :class:`TuneConfig`'s defaults).
+        progress: called with (trials done, trials) after each trial.
+        model: a fitted cost model (default: fitted from ``profile``).
+        **options: :class:`TuneConfig` fields, overriding ``config``'s
+            (``tune(profile, trials=40, seed=7)``).
+
+    Raises:
+        AutotuneError: a bad option, a study of another profile, or no policy within
+            ``max_error``.
+    """
+    if config is not None and not isinstance(config, TuneConfig):
+        raise AutotuneError(f"config must be a TuneConfig, got {type(config).__name__}; give "
+                            "the other options as keywords (tune(profile, max_error=0.3))")
+    cfg = dataclasses.replace(config or TuneConfig(), **options)
     started = time.perf_counter()
     model = model or CostModel.fit(profile)
-    space = SearchSpace.from_profile(profile, pinned=pinned, **({"caps": caps} if caps else {}))
+    space = SearchSpace.from_profile(profile, pinned=cfg.pinned,
+                                     **({"caps": cfg.caps} if cfg.caps else {}))
     errors = ErrorModel(profile)
-    base = baselines(space, model, errors, max_error, what_if)
-    if caps is not None or pinned:
-        # baselines outside the pinned settings are shown, but cannot be emitted
+    base = _baselines_allowed(space, model, errors, cfg)
+    study = _open_study(profile, space, cfg)
+    _search(study, space, model, errors, cfg, progress)
+
+    ranked = _ranked_trials(study, space, cfg.max_error)
+    if not ranked:
+        raise AutotuneError(
+            f"no policy within max_error={cfg.max_error:g} was found; even the baselines exceed "
+            "it? Raise --max-error"
+        )
+    top, seen = _top_trials(space, model, errors, ranked, cfg)
+    exact = _best_exact(space, model, errors, ranked, seen, cfg.what_if)
+    best = top[0]
+    if cfg.refine:
+        best = _refine(space, model, errors, cfg.max_error, *ranked[0][:2], what_if=cfg.what_if)
+    meta = _meta(profile, cfg, study, best, base)
+    chosen, emitted = _guard(best, base, meta)
+    return TuneResult(policy=emitted, chosen=chosen, tuned=best, baselines=base, top=top,
+                      exact=exact, trials=len(study.trials), wall_s=time.perf_counter() - started)
+
+
+def _baselines_allowed(space: SearchSpace, model: CostModel, errors: ErrorModel,
+                       cfg: TuneConfig) -> list[Candidate]:
+    """The baselines predicted; with caps or parameters pinned, those outside them are
+    shown but cannot be emitted (not feasible)."""
+    base = baselines(space, model, errors, cfg.max_error, cfg.what_if)
+    if cfg.caps is not None or cfg.pinned:
         allowed = {c for c in space.caps}
-        base = [b if b.policy.bucket_cap_mb in allowed and not pinned else
+        base = [b if b.policy.bucket_cap_mb in allowed and not cfg.pinned else
                 Candidate(b.name, b.policy, b.predicted_s, b.error, False) for b in base]
+    return base
+
+
+def _open_study(profile: Profile, space: SearchSpace, cfg: TuneConfig) -> Any:
+    """Create or resume the study (refusing one of another profile); a new one starts
+    from the baselines, and any study from the seed policies."""
+    import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(
-        seed=seed, multivariate=True, n_startup_trials=min(20, trials),
+        seed=cfg.seed, multivariate=True, n_startup_trials=min(20, cfg.trials),
     )
-    name = study_name or f"autotune-{profile.fingerprint}"
-    study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
+    name = cfg.study_name or f"autotune-{profile.fingerprint}"
+    study = optuna.create_study(storage=cfg.storage, study_name=name, direction="minimize",
                                 sampler=sampler, load_if_exists=True)
     if study.user_attrs.get("profile_fingerprint") not in (None, profile.fingerprint):
         raise AutotuneError(
@@ -165,14 +226,22 @@ def tune(
             f"not {profile.fingerprint}; use another --study-name"
         )
     study.set_user_attr("profile_fingerprint", profile.fingerprint)
-    study.set_user_attr("max_error", max_error)
+    study.set_user_attr("max_error", cfg.max_error)
     if not study.trials:
         for params in _baseline_params(space):
             study.enqueue_trial(params, skip_if_exists=True)
-    for seed_policy in seeds or []:
+    for seed_policy in cfg.seeds:
         cap = seed_policy.bucket_cap_mb if seed_policy.bucket_cap_mb in space.caps else space.caps[0]
         study.enqueue_trial({"bucket_cap_mb": cap, **space.choice_of(seed_policy)},
                             skip_if_exists=True)
+    return study
+
+
+def _search(study: Any, space: SearchSpace, model: CostModel, errors: ErrorModel,
+            cfg: TuneConfig, progress: Callable[[int, int], None] | None) -> None:
+    """Run the study's trials: the cap and one option per group, the predicted step as
+    the objective, the error budget as Optuna's constraint."""
+    import optuna
 
     def objective(trial: optuna.Trial) -> float:
         cap = trial.suggest_categorical("bucket_cap_mb", list(space.caps))
@@ -181,63 +250,66 @@ def tune(
         err = errors.of(policy)
         trial.set_user_attr("error", err)
         # feasible when <= 0: infeasible trials inform the sampler but never win
-        trial.set_constraint("error", err - max_error)
-        return model.predict(policy, what_if).step_s
+        trial.set_constraint("error", err - cfg.max_error)
+        return model.predict(policy, cfg.what_if).step_s
 
     done = [0]
 
     def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         done[0] += 1
         if progress is not None:
-            progress(done[0], trials)
+            progress(done[0], cfg.trials)
 
-    study.optimize(objective, n_trials=trials, callbacks=[callback], timeout=timeout)
+    study.optimize(objective, n_trials=cfg.trials, callbacks=[callback], timeout=cfg.timeout)
 
-    ranked = _ranked_trials(study, space, max_error)
-    if not ranked:
-        raise AutotuneError(
-            f"no policy within max_error={max_error:g} was found; even the baselines exceed "
-            "it? Raise --max-error"
-        )
-    top = []
+
+def _top_trials(space: SearchSpace, model: CostModel, errors: ErrorModel,
+                ranked: list[tuple[float, dict[str, str], float]],
+                cfg: TuneConfig) -> tuple[list[Candidate], set[str]]:
+    """The ``top_k`` best distinct policies among the ranked trials, and the ids seen."""
+    top: list[Candidate] = []
     seen: set[str] = set()
     for cap, choice, _ in ranked:
         policy = space.policy(cap, choice)
         if policy.id in seen:
             continue
         seen.add(policy.id)
-        top.append(Candidate(f"trial{len(top) + 1}", policy, model.predict(policy, what_if).step_s,
-                             errors.of(policy), True))
-        if len(top) >= top_k:
+        top.append(Candidate(f"trial{len(top) + 1}", policy,
+                             model.predict(policy, cfg.what_if).step_s, errors.of(policy), True))
+        if len(top) >= cfg.top_k:
             break
-    exact = _best_exact(space, model, errors, ranked, seen, what_if)
-    best = top[0]
-    if refine:
-        best = _refine(space, model, errors, max_error, *ranked[0][:2], what_if=what_if)
-    feasible = [b for b in base if b.feasible]
-    best_base = min(feasible, key=lambda b: b.predicted_s) if feasible else best
-    meta = {
+    return top, seen
+
+
+def _meta(profile: Profile, cfg: TuneConfig, study: Any, best: Candidate,
+          base: list[Candidate]) -> dict[str, Any]:
+    """What the emitted policy records about its tuning."""
+    return {
         "tool": "autotune tune",
-        "seed": seed,
-        "max_error": max_error,
+        "seed": cfg.seed,
+        "max_error": cfg.max_error,
         "profile_fingerprint": profile.fingerprint,
         "workload": profile.workload.get("name"),
         "trials": len(study.trials),
-        "study_name": name,
+        "study_name": study.study_name,
         "predicted_step_s": best.predicted_s,
         "error": best.error,
         "baselines": {b.name: {"predicted_step_s": b.predicted_s, "error": b.error,
                                "feasible": b.feasible} for b in base},
     }
+
+
+def _guard(best: Candidate, base: list[Candidate], meta: dict[str, Any]) -> tuple[str, Policy]:
+    """The tuned policy, unless the best feasible baseline is predicted at least as
+    fast: then that baseline. ``(chosen, emitted policy with meta)``."""
+    feasible = [b for b in base if b.feasible]
+    best_base = min(feasible, key=lambda b: b.predicted_s) if feasible else best
     if best is best_base or best.predicted_s < best_base.predicted_s:
-        chosen, emitted = "tuned", best.policy.with_meta(**meta, chosen="tuned")
-    else:
-        logger.info("the tuned policy (%.4f s) does not beat %s (%.4f s): emitting the baseline",
-                    best.predicted_s, best_base.name, best_base.predicted_s)
-        meta.update(predicted_step_s=best_base.predicted_s, error=best_base.error)
-        chosen, emitted = best_base.name, best_base.policy.with_meta(**meta, chosen=best_base.name)
-    return TuneResult(policy=emitted, chosen=chosen, tuned=best, baselines=base, top=top,
-                      exact=exact, trials=len(study.trials), wall_s=time.perf_counter() - started)
+        return "tuned", best.policy.with_meta(**meta, chosen="tuned")
+    logger.info("the tuned policy (%.4f s) does not beat %s (%.4f s): emitting the baseline",
+                best.predicted_s, best_base.name, best_base.predicted_s)
+    meta = {**meta, "predicted_step_s": best_base.predicted_s, "error": best_base.error}
+    return best_base.name, best_base.policy.with_meta(**meta, chosen=best_base.name)
 
 
 def _best_exact(space: SearchSpace, model: CostModel, errors: ErrorModel,
