@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _links import two_ranks  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
 from scipy.stats import kendalltau
-
-from _links import two_ranks  # bench/ is on sys.path when a script runs
 
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
@@ -44,6 +43,7 @@ from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
 from autotune.presets import PRESETS
 from autotune.probes.run import profile_job
+from autotune.search.defaults import candidate_pool
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, verify_result
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 profile = profile_job(where, workload=workload, budget_s=args.budget_s,
                                       link=None if link == "unshaped" else link)
-                result = tune(profile, trials=args.trials, seed=0, top_k=max(1, args.verify))
+                result = tune(profile, trials=args.trials, seed=0, top_k=candidate_pool(args.verify))
                 policy, verified = result.policy, None
                 if args.verify:
                     policy, verified = verify_result(result, args.verify, workload, where,

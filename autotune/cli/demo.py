@@ -84,6 +84,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from autotune.jsonio import write_atomic
     from autotune.report import require_matplotlib, write_report
     from autotune.report.data import load_study
+    from autotune.search.defaults import candidate_pool
     from autotune.search.tuner import baseline_policies, tune
     from autotune.search.verify import DEFAULT_CANDIDATES, verify_result
     from autotune.workloads import resolve_workload
@@ -115,7 +116,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     out.rule("2. tune, then verify by measurement")
     storage = f"sqlite:///{(args.out_dir / 'study.db').resolve()}"
-    result = tune(profile, trials=args.trials, storage=storage, top_k=4 * DEFAULT_CANDIDATES)
+    result = tune(profile, trials=args.trials, storage=storage, top_k=candidate_pool(DEFAULT_CANDIDATES))
     with cluster(hosts, nproc_per_node, link) as ranks, \
             out.status("verifying the best candidates beside the baselines"):
         policy, _ = verify_result(result, DEFAULT_CANDIDATES, args.workload, ranks,

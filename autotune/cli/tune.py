@@ -13,7 +13,11 @@ from rich.table import Table
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import check_out_path, placement
 from autotune.search.defaults import (
-    DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN, DEFAULT_MAX_ERROR,
+    DEFAULT_BUDGET_S,
+    DEFAULT_CANDIDATES,
+    DEFAULT_EXACT_MARGIN,
+    DEFAULT_MAX_ERROR,
+    candidate_pool,
 )
 
 
@@ -132,7 +136,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result = tune(profile, max_error=args.max_error, trials=args.trials, seed=args.seed,
                       storage=args.storage, study_name=args.study_name,
                       progress=lambda done, total: progress.update(task, completed=done),
-                      top_k=max(1, 4 * args.verify))
+                      top_k=candidate_pool(args.verify))
     policy = result.policy
     verified = None
     if args.verify:

@@ -3,7 +3,8 @@ tune --help`` prints them."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "DEFAULT_EXACT_MARGIN", "DEFAULT_MAX_ERROR"]
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "DEFAULT_EXACT_MARGIN", "DEFAULT_MAX_ERROR",
+           "candidate_pool"]
 
 # The default compression-error budget; bench/convergence.py is its justification:
 # digits trained 12 epochs under policies of error <= 0.6 ends within a point of plain
@@ -17,3 +18,9 @@ DEFAULT_BUDGET_S = 60.0  # measurement time after which the best median so far w
 # not a target, and a few percent of step time rarely pays for gradient error that no
 # step time shows (bench/embeddings.py: dlrm at 300 Mbit, top-k on one table for 3%).
 DEFAULT_EXACT_MARGIN = 0.05
+
+
+def candidate_pool(k: int) -> int:
+    """Distinct trials ``tune`` keeps (``top_k``) for verification to pick ``k``
+    candidates from, spread over their Pareto front."""
+    return max(1, 4 * k)
