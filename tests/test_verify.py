@@ -87,10 +87,17 @@ def test_tune_verifies_by_default_and_show_prints_what_was_measured(
 
 
 @pytest.mark.multirank
-def test_no_verify_chooses_by_prediction(mlp_profile: Path, tmp_path: Path) -> None:
+def test_no_verify_chooses_by_prediction(mlp_profile: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "policy.json"
     assert main(["tune", str(mlp_profile), "--out", str(out), "--trials", "10", "--no-verify"]) == 0
     assert "verified" not in load_policy(out).meta
+    # the budget in force is printed, and what the default means
+    text = " ".join(capsys.readouterr().out.split())
+    assert "error budget 0.6 (the default" in text and "bench/convergence.py" in text
+    assert main(["tune", str(mlp_profile), "--out", str(out), "--trials", "10", "--no-verify",
+                 "--max-error", "0.3"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "error budget 0.3" in text and "(the default" not in text
 
 
 @pytest.mark.multirank

@@ -215,7 +215,18 @@ def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tu
                              exact_margin=args.exact_margin)
 
 
+def budget_line(max_error: float) -> str:
+    """What the error budget in force means, from bench/convergence.py."""
+    line = f"error budget {max_error:g}"
+    if max_error == DEFAULT_MAX_ERROR:
+        line += (" (the default: on digits, policies up to it trained within a point of plain "
+                 "DDP; PowerSGD rank 1, ours or PyTorch's hook, at error 0.70 lost 2; see "
+                 "bench/convergence.py)")
+    return line
+
+
 def _print(out: Any, result: Any, policy: Any, verified: dict[str, Any] | None) -> None:
+    out.print(budget_line(float(policy.meta.get("max_error", DEFAULT_MAX_ERROR))), soft_wrap=True)
     if verified:
         print_verification(out, policy.meta)
         return
