@@ -21,9 +21,21 @@ between steps, at the start of a forward pass: never inside a backward pass.
   (no pickle). Every rank applies it at the announced step, between steps; error
   feedback follows the hook's documented *carry* rule (see
   :meth:`autotune.runtime.hook.AutotuneState.set_policy`).
-* **Bucket size** is kept: DDP fixes its buckets when it is constructed, and ``wrap``
-  returns that DDP object to the user, so a different cap would need DDP's reducer
-  rebuilt through private APIs. The search runs with the cap pinned to the current one.
+* **Bucket size** is kept by plain online revision (the search runs with the cap
+  pinned). ``wrap(model, "auto")`` changes it: its controller is given the model's
+  :meth:`~autotune.runtime.AutotuneDDP.set_bucket_cap`, which rebuilds DDP's reducer
+  at the announced step on every rank.
+* **Auto** (``wrap(model, "auto")``): the controller starts from plain DDP and
+  explores first. Rank 0 times a few steps of DDP (the reference), instruments a few
+  more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
+  copies of the live gradients), then every rank joins a short network probe at one
+  boundary; a background thread on rank 0 probes the codecs on the copied gradients,
+  builds a :class:`~autotune.probes.profile.Profile`, fits the cost model and runs the
+  search; then the best candidates and the presets' equivalents are tried on live
+  steps (:class:`~autotune.online.explore.Exploration`: A B A C ..., a few steps
+  each), the measured best is switched to on every rank at once, saved, and drift
+  watching begins; a drift re-runs the search and the trials. During exploration the
+  control broadcast happens at every step.
 
 Every decision is appended to a JSONL log; the final policy can be exported.
 """
@@ -38,7 +50,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -46,19 +58,24 @@ import torch.distributed as dist
 from autotune.errors import AutotuneError
 from autotune.jsonio import check_writable
 from autotune.models.simulator import WhatIf
+from autotune.online.explore import Contender, Exploration
+from autotune.online.live import LiveProfiler
 from autotune.policies import Policy
 
 if TYPE_CHECKING:
     from autotune.models.cost_model import CostModel
     from autotune.probes.profile import Profile
     from autotune.runtime.hook import AutotuneState, BucketRecord
+    from autotune.search.tuner import TuneResult
 
-__all__ = ["OnlineConfig", "Controller"]
+__all__ = ["AUTO_KNOBS", "OnlineConfig", "Controller"]
 
 logger = logging.getLogger(__name__)
 
-# Header of the control broadcast: [policy bytes, switch step, revision number, probe]
-_HEADER = 4
+# Header of the control broadcast: [policy bytes, switch step, revision, action, steps to
+# the next check]
+_HEADER = 5
+_PROBE, _NETWORK = 1, 2  # actions: a small probe allreduce; the auto mode's network probe
 PROBE_BYTES = 512 * 1024  # above tbf's burst on an emulated link, cheap on a real one
 LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwidth
 # A window tells the link's rate only when its transfers were expected to take this
@@ -88,6 +105,15 @@ class OnlineConfig:
         pinned: parameter name -> compressor spec the revision must not change.
         lead_steps: a policy announced at a check applies this many steps later.
         log: JSONL file every decision is appended to (None: keep in memory only).
+        explore_steps: ``wrap(model, "auto")`` only: steps the live trials may take in
+            all (after the profile's steps). More steps separate closer contenders;
+            each losing one costs a few degraded steps.
+        trial_steps: auto: timed steps per trial block (each adds a settling step).
+        candidates: auto: tuned candidates tried besides the presets' equivalents.
+        profile_steps: auto: steps of plain DDP timed as the reference, and as many
+            instrumented for the profile (at least 2).
+        network_budget_s: auto: seconds of the network probe every rank joins once.
+        save: auto: where rank 0 writes the chosen policy when it settles.
     """
 
     check_every: int = 5
@@ -101,12 +127,54 @@ class OnlineConfig:
     pinned: Mapping[str, Any] = field(default_factory=dict)
     lead_steps: int = 1
     log: str | os.PathLike[str] | None = None
+    explore_steps: int = 60
+    trial_steps: int = 2
+    candidates: int = 3
+    profile_steps: int = 4
+    network_budget_s: float = 1.0
+    save: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.check_every < 1 or self.patience < 1 or self.lead_steps < 1:
             raise AutotuneError("check_every, patience and lead_steps must be >= 1")
         if not (self.threshold > 0 and self.link_threshold > 0):
             raise AutotuneError("threshold and link_threshold must be > 0")
+        for name, low in (("trial_steps", 1), ("candidates", 0), ("profile_steps", 2),
+                          ("trials", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise AutotuneError(f"{name} must be an integer >= {low}, got {value!r}")
+        block = 2 * (self.trial_steps + 1)
+        if isinstance(self.explore_steps, bool) or not isinstance(self.explore_steps, int) or (
+                self.explore_steps < block):
+            raise AutotuneError(
+                f"explore_steps must be an integer >= {block} (one block of the policy in "
+                f"force and one of a contender, trial_steps={self.trial_steps} timed steps "
+                f"plus a settling step each), got {self.explore_steps!r}")
+        for name in ("budget_s", "network_budget_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 < value < math.inf):
+                raise AutotuneError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.max_error is not None and not (
+                isinstance(self.max_error, (int, float)) and 0 <= self.max_error < math.inf):
+            raise AutotuneError(f"max_error must be a finite number >= 0, got {self.max_error!r}")
+        if not isinstance(self.pinned, Mapping):
+            raise AutotuneError(f"pinned must map parameter names to compressor specs, "
+                                f"got {type(self.pinned).__name__}")
+
+
+AUTO_KNOBS = frozenset({"explore_steps", "trial_steps", "candidates", "profile_steps",
+                        "network_budget_s", "save"})
+"""The knobs that only ``wrap(model, "auto")`` reads."""
+# A step slower than the DDP start's median by more than this counts as degraded:
+# plain DDP's own noise here (CPU speed drifts) stays out of the count.
+DEGRADED_MARGIN = 0.1
+FIRST_TIMED_STEP = 2  # steps 0 and 1 run before and during DDP's bucket rebuild
+CODEC_SHARE = 0.4  # of budget_s: the auto mode's codec probe; the search gets the rest
+# contenders predicted slower than the policy in force by more than this are not tried
+# (the model's errors, 16-21% in the ratio to DDP, stay inside it)
+PRUNE_ABOVE = 1.3
 
 
 @dataclass
@@ -118,19 +186,48 @@ class _Window:
     probes: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
 
 
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux: a thread is a task with its own nice
+    value); elsewhere, or without permission, leave it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 class Controller:
     """Drift detection, background re-search and the synchronized switch.
 
-    Created by :func:`autotune.wrap` with ``online=True``; not used directly.
+    Created by :func:`autotune.wrap` with ``online=True`` (``profile`` given) or with
+    the policy ``"auto"`` (``auto=True``, no profile: it is measured on the live steps);
+    not used directly.
+
+    Args:
+        state: the hook's state, whose policy the controller switches.
+        profile: the profile predictions are made from (None with ``auto``).
+        config: the knobs.
+        process_group: DDP's group.
+        auto: explore from plain DDP first (see the module docstring).
+        module: with ``auto``: the wrapped module, which rank 0 instruments.
+        rebucket: called with a new ``bucket_cap_mb`` on every rank when a switched-to
+            policy has another cap (None: caps stay as they are).
     """
 
     def __init__(
-        self, state: AutotuneState, profile: Profile, config: OnlineConfig,
-        process_group: dist.ProcessGroup | None = None,
+        self, state: AutotuneState, profile: Profile | None, config: OnlineConfig,
+        process_group: dist.ProcessGroup | None = None, *, auto: bool = False,
+        module: torch.nn.Module | None = None, rebucket: Callable[[float], None] | None = None,
     ) -> None:
+        if profile is None and not auto:
+            raise AutotuneError("online revision needs a profile (or auto=True)")
+        if auto and module is None:
+            raise AutotuneError("auto=True needs the wrapped module")
         self.state = state
         self.profile = profile
         self.config = config
+        self.auto = auto
+        self.rebucket = rebucket
+        self._model_name = type(module).__name__ if module is not None else "model"
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
@@ -141,6 +238,9 @@ class Controller:
         self.events: list[dict[str, Any]] = []  # every decision, as logged
         self._pending: tuple[int, Policy] | None = None  # (switch step, policy) on every rank
         self._last_boundary: float | None = None
+        # steps between checks, as rank 0 last announced (every step while exploring)
+        self._every = 1 if auto else config.check_every
+        self._next_check = self._every
         # rank 0 only ------------------------------------------------------------
         self._model: CostModel | None = None
         self._window = _Window()
@@ -155,6 +255,20 @@ class Controller:
         self._search: threading.Thread | None = None
         self._proposal: tuple[Policy, dict[str, Any]] | None = None
         self._top: list[Policy] = []
+        # auto, rank 0 ------------------------------------------------------------
+        self.phase = "reference" if auto else "online"
+        self.summary: dict[str, Any] | None = None  # the last settled exploration's
+        self._profiler: LiveProfiler | None = None
+        self._ddp_steps: list[float] = []  # the DDP start's reference step times
+        self._explore_from: int | None = None  # first step of the current exploration
+        self._explore_times: list[float] = []  # its steps' times, for the degraded count
+        self._network: dict[str, Any] | None = None
+        self._exploration: Exploration | None = None
+        self._stall_s = 0.0  # the network probe's time (outside any step)
+        if auto and self.rank == 0:
+            self._profiler = LiveProfiler(module, state)  # type: ignore[arg-type]
+        if auto and config.save is not None and self.rank == 0:
+            check_writable(config.save, AutotuneError, "the policy to save")
         if self.rank == 0:
             if config.log is not None:  # fail now, not at the first decision mid-training
                 check_writable(config.log, AutotuneError, "the revision log")
@@ -181,26 +295,32 @@ class Controller:
             self.step += 1
             if self.rank == 0:
                 self._window.step_s.append(now - self._last_boundary)
+        if self._profiler is not None:
+            self._profiler.finish(now)
         if self._pending is not None and self.step >= self._pending[0]:
             self._apply(*self._pending)
             self._pending = None
-        if self.step > 0 and self.step % self.config.check_every == 0 and (
-            self._last_boundary is not None
-        ):
+        if self.step >= self._next_check and self._last_boundary is not None:
             self._check()
         # time after the control work, so it is not counted as the next step's
         self._last_boundary = time.perf_counter() if self._last_boundary is not None else now
+        if self._profiler is not None and self.phase == "instrument":
+            self._profiler.arm(self._last_boundary, capture=True)
 
     # ------------------------------------------------------------------ checks
     def _check(self) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         payload = b""
         if self.rank == 0:
-            payload, switch_step = self._decide()
-            header[:] = torch.tensor([len(payload), switch_step, self.revision, int(self._probe_next)])
+            payload, switch_step, action, every = self._decide()
+            header[:] = torch.tensor([len(payload), switch_step, self.revision, action, every])
         header = header.to(self.device)
         dist.broadcast(header, src=self._src(), group=self.group)
-        size, switch_step, revision, probe = (int(x) for x in header.cpu().tolist())
+        size, switch_step, revision, action, every = (int(x) for x in header.cpu().tolist())
+        self._every = every
+        self._next_check = self.step + every
+        if self.auto and self.rank != 0 and every != 1:
+            self.phase = "settled"  # rank 0 announced the end of its exploration
         if size:
             data = torch.empty(size, dtype=torch.uint8, device=self.device)
             if self.rank == 0:
@@ -210,8 +330,10 @@ class Controller:
                                       source="announced policy")
             self._pending = (switch_step, policy)
             self.revision = revision
-        if probe:
+        if action == _PROBE:
             self._probe()
+        elif action == _NETWORK:
+            self._probe_network()
 
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -224,11 +346,29 @@ class Controller:
             with self._lock:
                 self._window.probes.append((PROBE_BYTES, time.perf_counter() - start))
 
+    def _probe_network(self) -> None:
+        """Every rank, at one boundary: auto's network probe (collectives the hook issues)."""
+        from autotune.probes.network import probe_network
+
+        started = time.perf_counter()
+        sizes = tuple(16 * 1024 * 4**i for i in range(6))  # 16 KiB .. 16 MiB
+        result = probe_network(sizes=sizes, budget_s=self.config.network_budget_s, reps=5,
+                               min_reps=2, collectives=("allreduce", "allgather"))
+        if self.rank == 0:
+            self._network = result
+            self._stall_s += time.perf_counter() - started
+            self._log({"event": "network_probe", "step": self.step,
+                       "seconds": time.perf_counter() - started,
+                       "allreduce_Bps": result["fits"].get("allreduce", {}).get("bandwidth_Bps")})
+
     def _apply(self, step: int, policy: Policy) -> None:
         old = self.state.policy
         self.state.set_policy(policy)
+        if self.rebucket is not None and policy.bucket_cap_mb != old.bucket_cap_mb:
+            self.rebucket(policy.bucket_cap_mb)
         event = {"event": "switch", "step": self.step, "announced_step": step,
-                 "revision": self.revision, "old_policy": old.id, "new_policy": policy.id}
+                 "revision": self.revision, "old_policy": old.id, "new_policy": policy.id,
+                 "bucket_cap_mb": policy.bucket_cap_mb}
         self._log(event)
         if self.rank == 0:
             with self._lock:
@@ -242,6 +382,8 @@ class Controller:
         if self._model is None:
             from autotune.models.cost_model import CostModel
 
+            if self.profile is None:
+                raise AutotuneError("no profile yet: the auto mode has not measured one")
             self._model = CostModel.fit(self.profile)
         return self._model
 
@@ -293,8 +435,26 @@ class Controller:
         # (rank skew), which only ever adds time
         return min(ratios), own, predicted
 
-    def _decide(self) -> tuple[bytes, int]:
-        """Rank 0 at a check: update drift state; return a policy to announce, if any."""
+    def _decide(self) -> tuple[bytes, int, int, int]:
+        """Rank 0 at a check: (policy JSON to announce or b"", its switch step, action,
+        steps to the next check)."""
+        if self.auto and self.phase != "settled":
+            return self._explore()
+        payload, switch = self._watch()
+        if self._exploration is not None:  # a drift re-search handed over its trials
+            self.phase = "trial"
+            self._explore_from = self.step
+            self._explore_times = []
+            return payload, switch, 0, 1
+        action = _PROBE if self._probe_next else 0
+        return payload, switch, action, self.config.check_every
+
+    def _watch(self) -> tuple[bytes, int]:
+        """Drift detection (rank 0): a policy to announce, if any."""
+        if self.profile is None:  # auto whose search failed: nothing to predict with
+            with self._lock:
+                self._window = _Window()
+            return b"", 0
         model = self.model()
         with self._lock:
             window, self._window = self._window, _Window()
@@ -356,17 +516,27 @@ class Controller:
         from autotune.models.simulator import WhatIf
         from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
+        assert self.profile is not None  # drift is watched only with a profile
         model = self.model()
         what_if = WhatIf(bandwidth_bps=link_bps) if link_bps else WhatIf()
         max_error = self.config.max_error
         if max_error is None:
             max_error = float(current.meta.get("max_error", DEFAULT_MAX_ERROR))
         started = time.perf_counter()
+        caps = None if self.rebucket is not None else (current.bucket_cap_mb,)
         result = tune(self.profile, max_error=max_error, trials=self.config.trials,
                       model=model, what_if=what_if, pinned=dict(self.config.pinned),
-                      caps=(current.bucket_cap_mb,), seeds=[current, *self._top],
-                      timeout=self.config.budget_s, study_name=f"online-{self.revision + 1}")
+                      caps=caps, seeds=[current, *self._top],
+                      timeout=self.config.budget_s, study_name=f"online-{self.revision + 1}",
+                      top_k=self.config.candidates + 2)
         self._top = [c.policy for c in result.top]
+        if self.auto:  # a prediction prunes, a measurement decides: live trials again
+            exploration = self._trials_for(result, current, what_if)
+            self._log({"event": "retrial", "step": self.step, "search_s": time.perf_counter() - started,
+                       "contenders": list(exploration.order), "trigger": reason})
+            with self._lock:
+                self._exploration = exploration
+            return
         now = model.predict(current, what_if).step_s
         new = result.policy
         gain = 1 - result.policy.meta["predicted_step_s"] / now
@@ -383,6 +553,246 @@ class Controller:
             with self._lock:
                 self._ref = None  # the change is understood: re-baseline on it
                 self._settle = 0
+
+    # -------------------------------------------------------------------- auto
+    def _explore(self) -> tuple[bytes, int, int, int]:
+        """Rank 0, every step until it settles: the auto mode's phases (see the module
+        docstring). Returns what :meth:`_decide` does."""
+        with self._lock:
+            window, self._window = self._window, _Window()
+        last = window.step_s[-1] if window.step_s else None  # the time of step - 1
+        if self._explore_from is not None and last is not None:
+            self._explore_times.append(last)
+        if self.phase == "reference":
+            if last is not None and self.step - 1 >= FIRST_TIMED_STEP:
+                self._ddp_steps.append(last)
+            if len(self._ddp_steps) >= self.config.profile_steps:
+                self.phase = "instrument"  # armed at this boundary, after the check
+                self._explore_from = self.step
+            return b"", 0, 0, 1
+        if self.phase == "instrument":
+            assert self._profiler is not None
+            if len(self._profiler.steps) < self.config.profile_steps:
+                return b"", 0, 0, 1
+            self.phase = "network"
+            return b"", 0, _NETWORK, 1  # every rank probes the network after this header
+        if self.phase == "network":
+            self._start_auto_search()
+            self.phase = "search"
+            return b"", 0, 0, 1
+        if self.phase == "search":
+            if self._search is not None and self._search.is_alive():
+                return b"", 0, 0, 1
+            if self._exploration is None:  # the search failed: keep plain DDP
+                return self._conclude(None, None)
+            self.phase = "trial"
+        exploration = self._exploration
+        assert exploration is not None
+        contender = exploration.tick(self.step, last)
+        if contender is not None:
+            payload, switch = self._announce(
+                contender.policy, {"reason": "trial", "contender": contender.name}, lead=1)
+            return payload, switch, 0, 1
+        if exploration.done:
+            winner, decision = exploration.decide()
+            return self._conclude(winner, decision)
+        return b"", 0, 0, 1
+
+    def _announce(self, policy: Policy, info: dict[str, Any], lead: int) -> tuple[bytes, int]:
+        self.revision += 1
+        switch = self.step + lead
+        self._log({"event": "announce", "step": self.step, "switch_step": switch,
+                   "revision": self.revision, "old_policy": self.state.policy.id,
+                   "new_policy": policy.id, **info})
+        return policy.to_json(indent=None).encode(), switch
+
+    def _start_auto_search(self) -> None:
+        assert self._profiler is not None and self._network is not None
+        compute = self._profiler.compute_section()
+        grads = self._profiler.grads
+        self._profiler.close()
+        self._profiler = None
+        network, current = self._network, self.state.policy
+        reference = statistics.median(self._ddp_steps)
+
+        def run() -> None:
+            _lower_priority()  # training keeps the cores; the search takes what is idle
+            try:
+                self._auto_search(compute, grads, network, current, reference)
+            except Exception as exc:  # noqa: BLE001 - a failed search keeps plain DDP
+                logger.warning("auto: the search failed, keeping plain DDP: %s", exc)
+                self._log({"event": "search_failed", "step": self.step, "error": str(exc)})
+
+        self._search = threading.Thread(target=run, name="autotune-auto-search", daemon=True)
+        self._search.start()
+
+    def _auto_search(self, compute: dict[str, Any], grads: dict[str, list[torch.Tensor]],
+                     network: dict[str, Any], current: Policy, reference: float) -> None:
+        from autotune.online.live import live_profile
+        from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
+
+        started = time.perf_counter()
+        budget = self.config.budget_s
+        self.profile = live_profile(
+            compute, grads, network, model_name=self._model_name, world_size=self.world,
+            codec_budget_s=CODEC_SHARE * budget,
+            calibration=[{"policy": None, "step_s": reference}])
+        self._model = None
+        probed = time.perf_counter()
+        max_error = self.config.max_error if self.config.max_error is not None else DEFAULT_MAX_ERROR
+        caps = None if self.rebucket is not None else (current.bucket_cap_mb,)
+        result = tune(self.profile, max_error=max_error, trials=self.config.trials,
+                      model=self.model(), pinned=dict(self.config.pinned), caps=caps,
+                      seeds=[current], timeout=max(budget - (probed - started), 0.2 * budget),
+                      study_name="auto", top_k=self.config.candidates + 2)
+        self._top = [c.policy for c in result.top]
+        exploration = self._trials_for(result, current, WhatIf())
+        self._log({"event": "searched", "step": self.step, "codec_probe_s": probed - started,
+                   "search_s": time.perf_counter() - probed, "trials": result.trials,
+                   "contenders": list(exploration.order)})
+        with self._lock:
+            self._exploration = exploration
+
+    def _trials_for(self, result: TuneResult, current: Policy, what_if: WhatIf) -> Exploration:
+        """The contenders of live trials, simplest first: plain DDP, the policy in force,
+        the presets' equivalents within the error budget, the tuned candidates; those
+        predicted far slower than the policy in force are left out."""
+        from autotune.errors import ProfileError
+        from autotune.search.space import ErrorModel
+        from autotune.search.tuner import DEFAULT_MAX_ERROR
+        from autotune.search.verify import candidates
+
+        assert self.profile is not None
+        model = self.model()
+        errors = ErrorModel(self.profile)
+        pinned = {k: dict(v) for k, v in self.config.pinned.items()}
+        max_error = self.config.max_error if self.config.max_error is not None else DEFAULT_MAX_ERROR
+
+        def overlay(policy: Policy) -> Policy:
+            data = {k: v for k, v in policy.to_dict().items() if k != "meta"}
+            if pinned:
+                data["layers"] = {**data.get("layers", {}), **pinned}
+            return Policy.from_dict(data, source="trial policy")
+
+        def error(policy: Policy) -> float | None:
+            try:
+                return errors.of(policy)
+            except ProfileError:  # a compressor the codec probe did not reach
+                return None
+
+        def contender(name: str, policy: Policy, kind: str) -> Contender | None:
+            e = error(policy)
+            if e is None or (kind != "ddp" and e > max_error):
+                return None
+            return Contender(name, policy, kind, e, model.predict(policy, what_if).step_s)
+
+        ddp = overlay(Policy(bucket_cap_mb=current.bucket_cap_mb if self.rebucket is None
+                             else Policy().bucket_cap_mb))
+        pool = [contender("ddp", ddp, "ddp"), contender("current", overlay(current), "current")]
+        for b in result.baselines:
+            policy = overlay(b.policy)
+            if self.rebucket is None and policy.bucket_cap_mb != current.bucket_cap_mb:
+                continue
+            pool.append(contender(b.name, policy, "baseline"))
+        for tuned in candidates(result, self.config.candidates):
+            pool.append(contender(tuned.name, tuned.policy, "candidate"))
+        chosen: list[Contender] = []
+        seen: dict[str, str] = {}  # policy id -> the (simplest) contender's name
+        now = model.predict(current, what_if).step_s
+        for entry in pool:
+            if entry is None or entry.policy.id in seen:
+                continue
+            if entry.kind not in ("ddp", "current") and entry.predicted_s is not None and (
+                    entry.predicted_s > PRUNE_ABOVE * now):
+                continue
+            seen[entry.policy.id] = entry.name
+            chosen.append(entry)
+        current_name = seen.get(overlay(current).id)
+        if current_name is None:  # over the error budget: still what runs between trials
+            chosen.insert(1, Contender("current", overlay(current), "current", 0.0, None))
+            current_name = "current"
+        return Exploration(chosen, current_name, trial_steps=self.config.trial_steps,
+                           budget_steps=self.config.explore_steps)
+
+    def _conclude(self, winner: Contender | None, decision: Any) -> tuple[bytes, int, int, int]:
+        """Rank 0: end an exploration on ``winner`` (None: keep the policy in force):
+        announce it, save it, log the summary; drift watching starts again."""
+        exploration, self._exploration = self._exploration, None
+        reference = statistics.median(self._ddp_steps) if self._ddp_steps else None
+        current = self.state.policy
+        policy = current if winner is None else winner.policy
+        ddp = None
+        if winner is not None and exploration is not None:
+            ddp = next((n for n in exploration.order
+                        if exploration.contenders[n].kind == "ddp" and n in decision.medians), None)
+        # the DDP start as measured interleaved with the trials (the reference steps ran
+        # before them, when a fresh process is often slower), else the reference steps
+        base = decision.medians[ddp] if ddp is not None else reference
+        summary: dict[str, Any] = {
+            "settled_step": self.step + 1,
+            "explore_steps": self.step + 1 - (self._explore_from or self.step),
+            "degraded_steps": sum(t > base * (1 + DEGRADED_MARGIN) for t in self._explore_times)
+            if base else 0,
+            "stall_s": self._stall_s,
+            "policy": winner.name if winner is not None else "current",
+            "ddp_start_step_s": base,
+        }
+        if winner is not None and exploration is not None:
+            measured = decision.medians[winner.name]
+            summary.update(measured_step_s=measured, ddp_step_s=base,
+                           speedup=base / measured if base else None, why=decision.reason,
+                           rounds=exploration.rounds, contenders=list(exploration.order),
+                           dropped=dict(exploration.dropped))
+            report = exploration.report(decision)
+            policy = policy.with_meta(
+                tool="autotune.wrap(model, 'auto')", chosen=winner.name, error=winner.error,
+                measured_step_s=measured, max_error=self._max_error(), auto=summary,
+                verified=report,
+                verification={"winner": decision.winner, "emitted": winner.name,
+                              "why": decision.reason, "live": True})
+            self._learn(exploration, decision)
+        payload, switch = b"", 0
+        if policy.id != current.id:
+            payload, switch = self._announce(policy, {"reason": "settled"}, lead=1)
+        if self.config.save is not None:
+            policy.save(self.config.save)
+        self.summary = summary
+        self.phase = "settled"
+        self._log({"event": "settled", "step": self.step, "policy_id": policy.id, **summary})
+        logger.info(
+            "autotune auto: settled after %d steps exploring (%d degraded, slower than the DDP "
+            "start) on %s (bucket_cap_mb=%g): measured %s plain DDP",
+            summary["explore_steps"], summary["degraded_steps"], summary["policy"],
+            policy.bucket_cap_mb,
+            f"{summary['speedup']:.2f}x" if summary.get("speedup") else "as fast as")
+        with self._lock:
+            self._ref = None
+            self._settle = 2
+            self._strikes = 0
+            self._window = _Window()
+        self._explore_from = None
+        self._explore_times = []
+        return payload, switch, 0, self.config.check_every
+
+    def _max_error(self) -> float:
+        from autotune.search.defaults import DEFAULT_MAX_ERROR
+
+        return self.config.max_error if self.config.max_error is not None else DEFAULT_MAX_ERROR
+
+    def _learn(self, exploration: Exploration, decision: Any) -> None:
+        """Add the trials' medians to the live profile's calibration, which the cost
+        model's residual is fitted on for the next re-search."""
+        if self.profile is None:
+            return
+        data = self.profile.to_dict()
+        results = list(data["calibration"]["results"])
+        for name, median in decision.medians.items():
+            policy = exploration.contenders[name].policy
+            plain = {k: v for k, v in policy.to_dict().items() if k != "meta"}
+            results.append({"policy": None if policy.id == Policy().id else plain, "step_s": median})
+        data["calibration"] = {"results": results}
+        self.profile = type(self.profile).from_dict(data, source="live profile")
+        self._model = None
 
     # ----------------------------------------------------------------- logging
     def _log(self, event: dict[str, Any]) -> None:

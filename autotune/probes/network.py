@@ -245,6 +245,7 @@ def probe_network(
     warmup: int = 1,
     max_pairs: int = 16,
     progress: Progress | None = None,
+    collectives: Sequence[str] = COLLECTIVES,
 ) -> dict[str, Any]:
     """Probe collectives and point-to-point links of the default process group.
 
@@ -257,6 +258,9 @@ def probe_network(
         warmup: untimed repetitions before each size.
         max_pairs: most rank pairs to probe point-to-point (covering both link classes).
         progress: called with the fraction of the budget spent.
+        collectives: which of :data:`COLLECTIVES` to probe (``wrap(model, "auto")``
+            probes only what its hook issues, allreduce and allgather, to stall training
+            less).
 
     Returns:
         JSON-friendly samples and fits (identical on every rank).
@@ -267,9 +271,12 @@ def probe_network(
         torch.device("cuda", torch.cuda.current_device())
         if backend == "nccl" else torch.device("cpu")
     )
+    unknown = set(collectives) - set(COLLECTIVES)
+    if unknown:
+        raise ValueError(f"unknown collectives {sorted(unknown)}; expected some of {COLLECTIVES}")
     hosts = _host_ids(device)
-    pairs = _choose_pairs(hosts, max_pairs)
-    ops = [c for c in COLLECTIVES if c != "p2p"] if world > 1 else []
+    pairs = _choose_pairs(hosts, max_pairs) if "p2p" in collectives else []
+    ops = [c for c in COLLECTIVES if c != "p2p" and c in collectives] if world > 1 else []
     shares = len(ops) + (1 if pairs else 0)
     clock = _Clock(budget_s, progress)
     samples: list[dict[str, Any]] = []

@@ -22,6 +22,7 @@ import os
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,6 +31,11 @@ from autotune.policies import Policy, load_policy
 from autotune.runtime.hook import AutotuneState, dispatch_hook
 
 __all__ = ["AutotuneDDP", "as_policy", "check_wrappable", "wrap"]
+
+# DistributedDataParallel internals set_bucket_cap uses (torch 2.13)
+_REBUCKET_NEEDS = ("_ddp_init_helper", "_build_params_for_reducer",
+                   "_build_debug_param_to_name_mapping", "_comm_hooks", "_bucket_config",
+                   "reducer", "logger")
 
 
 class AutotuneDDP(DistributedDataParallel):
@@ -108,6 +114,58 @@ class AutotuneDDP(DistributedDataParallel):
     def policy(self) -> Policy:
         """The policy being applied."""
         return self.comm_state.policy
+
+    @property
+    def can_rebucket(self) -> bool:
+        """Whether :meth:`set_bucket_cap` can rebuild this model's buckets: not with
+        ``static_graph``, mixed precision, parameters DDP reduces outside its buckets,
+        or a torch whose DDP lacks the internals it uses."""
+        return (all(hasattr(self, a) for a in _REBUCKET_NEEDS)
+                and hasattr(self.reducer, "_remove_autograd_hooks")
+                and not getattr(self, "static_graph", True)
+                and getattr(self, "mixed_precision", None) is None
+                and not getattr(self, "_delay_all_reduce_params", ())
+                and not getattr(self, "_use_python_reducer", False))
+
+    def set_bucket_cap(self, bucket_cap_mb: float) -> None:
+        """Rebuild DDP's reducer with buckets of ``bucket_cap_mb`` MiB; call between
+        steps, at the same step on every rank (the online controller's announced switch).
+
+        DDP fixes its buckets when it is built (setting ``bucket_bytes_cap`` has no
+        effect), so this replaces the reducer the way DDP's constructor makes it: the
+        old one's autograd hooks are removed, a new one is built over the same
+        parameters with the new cap, and the communication hook is registered on it
+        again. Like a fresh DDP, its first backward pass reduces everything in one
+        bucket and the next forward rebuilds the buckets in gradient-ready order, on
+        every rank alike. Nothing is broadcast (the parameters are already equal).
+
+        Raises:
+            AutotuneError: this model cannot be rebucketed (:attr:`can_rebucket`).
+        """
+        if not self.can_rebucket:
+            raise AutotuneError(
+                "this model's DDP buckets cannot be rebuilt (static_graph, mixed precision, "
+                "delayed all-reduce parameters or a DDP without the internals used); keep "
+                f"bucket_cap_mb={self.comm_state.policy.bucket_cap_mb:g}"
+            )
+        from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+        self.reducer._remove_autograd_hooks()
+        self._bucket_config = _BucketCapacityConfig.create(
+            bucket_cap_mb=bucket_cap_mb,  # type: ignore[arg-type]  # DDP takes a float too
+            bucket_cap_mb_list=None,
+            use_python_reducer=self._use_python_reducer,
+        )
+        self.bucket_bytes_cap = self._bucket_config.bucket_bytes_cap
+        self.bucket_bytes_cap_list = []
+        parameters, expect_sparse = self._build_params_for_reducer()
+        names = self._build_debug_param_to_name_mapping(parameters)
+        self._ddp_init_helper(parameters, expect_sparse, names, False)
+        self._has_rebuilt_buckets = False
+        for hook, state in self._comm_hooks:
+            if self.logger is not None:
+                self.logger._set_comm_hook_name(hook.__qualname__)
+            dist._register_comm_hook(self.reducer, state, hook)
 
 
 def check_wrappable(module: torch.nn.Module, policy: Policy, ddp_kwargs: Mapping[str, Any]) -> None:

@@ -1,0 +1,177 @@
+"""Trials on the live job: a few steps of each contender, interleaved with the policy in
+force (A B A C A D ...), until the measurement decides.
+
+Rank 0's bookkeeping only; the controller announces every switch to all ranks (so they
+all run the same policy at the same step) and hands each finished step's time back.
+A block is one settling step (not timed: after a switch PowerSGD builds its state, and
+after a bucket change DDP's first iteration runs in one bucket while it learns the
+gradient order) and ``trial_steps`` timed steps. After the first round a contender
+measured beyond ``reject_above`` times the policy in force is dropped (it costs its
+user degraded steps); after ``min_rounds`` those a bootstrap interval puts behind the
+fastest are dropped too (:func:`autotune.trials.ratio_interval`). The trials end with
+one contender left, after ``max_rounds`` or when the step budget is spent;
+:func:`autotune.trials.decide` then picks the fastest, a tie going to the simpler
+(plain DDP first), and never one measured slower than plain DDP.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from autotune import trials
+from autotune.policies import Policy
+
+__all__ = ["Contender", "Exploration"]
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A policy tried on the live job."""
+
+    name: str  # "ddp", "current", a preset's equivalent ("fp16", "ddp5mb"), "tuned", ...
+    policy: Policy
+    kind: str  # "ddp" (plain DDP), "current", "baseline" (a preset's equivalent), "candidate"
+    error: float = 0.0
+    predicted_s: float | None = None
+
+
+class Exploration:
+    """The schedule and measurements of one round of live trials.
+
+    Args:
+        contenders: simplest first; the first is plain DDP, one of them is ``current``
+            (the policy in force when the trials start: A in A B A C ...).
+        current: the name of the policy in force.
+        trial_steps: timed steps per block (each block adds a settling step).
+        budget_steps: steps the trials may take in all.
+        min_rounds: rounds before the bootstrap test may drop a contender.
+        max_rounds: rounds at most.
+        reject_above: after the first round, drop a contender whose median exceeds the
+            current policy's by this factor.
+    """
+
+    def __init__(self, contenders: Sequence[Contender], current: str, *, trial_steps: int,
+                 budget_steps: int, min_rounds: int = 2, max_rounds: int = 4,
+                 reject_above: float = 1.2) -> None:
+        self.contenders = {c.name: c for c in contenders}
+        self.order = [c.name for c in contenders]
+        if current not in self.contenders:
+            raise ValueError(f"current {current!r} is not a contender")
+        self.current = current
+        self.trial_steps = trial_steps
+        self.budget_steps = budget_steps
+        self.min_rounds = min_rounds
+        self.max_rounds = max_rounds
+        self.reject_above = reject_above
+        self.times: dict[str, list[float]] = {n: [] for n in self.order}
+        self.alive = [n for n in self.order if n != current]
+        self.dropped: dict[str, str] = {}  # name -> why
+        self.rounds = 0
+        self.steps = 0  # steps run under the trials so far
+        self._plan: dict[int, tuple[str, bool]] = {}  # step -> (contender, timed)
+        self._blocks: list[str] = []
+        self._running = current
+        self.done = not self.alive
+
+    # ------------------------------------------------------------------ steps
+    def tick(self, step: int, last_s: float | None) -> Contender | None:
+        """At the boundary of ``step`` (``last_s``: the time of ``step - 1``): record it,
+        and return the contender to announce for ``step + 1`` when it differs from the
+        one running at ``step`` (None: no switch)."""
+        ran = self._plan.pop(step - 1, None)
+        if ran is not None and last_s is not None:
+            self.steps += 1
+            if ran[1]:
+                self.times[ran[0]].append(last_s)
+        if self.done:
+            return None
+        if step not in self._plan:  # the trials start here: `step` runs the current policy
+            self._plan[step] = (self.current, True)
+        if step + 1 in self._plan:
+            return None
+        name = self._next_block(step)
+        if name is None:
+            self.done = True
+            return None
+        running = self._plan[step][0]
+        settle = name != running
+        for i in range(self.trial_steps + int(settle)):
+            self._plan[step + 1 + i] = (name, not (settle and i == 0))
+        return self.contenders[name] if settle else None
+
+    def _next_block(self, step: int) -> str | None:
+        if not self._blocks:
+            self._end_round()
+            if self.done or not self.alive:
+                return None
+            self.rounds += 1
+            for name in self.alive:
+                self._blocks += [self.current, name]
+        if self.steps + len(self._plan) + self.trial_steps + 1 > self.budget_steps:
+            return None
+        return self._blocks.pop(0)
+
+    def _end_round(self) -> None:
+        if self.rounds == 0:
+            return
+        base = self.times[self.current]
+        if self.rounds == 1 and base:
+            ref = statistics.median(base)
+            for name in list(self.alive):
+                t = self.times[name]
+                if t and statistics.median(t) > self.reject_above * ref:
+                    self._drop(name, f"{statistics.median(t) / ref:.2f}x the policy in force "
+                                     f"after one block")
+        if self.rounds >= self.min_rounds:
+            measured = {n: t for n, t in self.times.items()
+                        if (n in self.alive or n == self.current) and len(t) >= 2}
+            if len(measured) >= 2:
+                fastest = min(measured, key=lambda n: statistics.median(measured[n]))
+                for name in list(self.alive):
+                    if name != fastest and name in measured:
+                        low, _ = trials.ratio_interval(measured[name], measured[fastest])
+                        if low > 1.0:
+                            self._drop(name, f"slower than {fastest} beyond the interval")
+        if self.rounds >= self.max_rounds or not self.alive:
+            self.done = True
+
+    def _drop(self, name: str, why: str) -> None:
+        self.alive.remove(name)
+        self.dropped[name] = why
+
+    # --------------------------------------------------------------- decision
+    def decide(self) -> tuple[Contender, trials.Decision]:
+        """The winner among the measured contenders (at least two timed steps each):
+        the fastest median, ties to the simpler, never slower than plain DDP."""
+        times = {n: t for n, t in self.times.items() if len(t) >= 2}
+        if not times:
+            times = {self.current: self.times[self.current] or [1.0]}
+        order = [n for n in self.order if n in times]
+        decision = trials.decide(times, order)
+        winner = decision.winner
+        ddp = next((n for n in order if self.contenders[n].kind == "ddp"), None)
+        if ddp is not None and decision.medians[winner] > decision.medians[ddp]:
+            winner = ddp  # a simpler tie measured slower than plain DDP: DDP instead
+        return self.contenders[winner], decision
+
+    def report(self, decision: trials.Decision) -> dict[str, dict[str, Any]]:
+        """Per measured contender: what ``autotune show`` prints (policy meta ``verified``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.order:
+            t = self.times[name]
+            if not t:
+                continue
+            c = self.contenders[name]
+            row: dict[str, Any] = {"kind": c.kind, "measured_step_s": statistics.median(t),
+                                   "steps": len(t), "error": c.error, "feasible": True,
+                                   "policy_id": c.policy.id}
+            if c.predicted_s is not None:
+                row["predicted_step_s"] = c.predicted_s
+            if name in decision.intervals:
+                row["interval_vs_fastest"] = list(decision.intervals[name])
+            if name in self.dropped:
+                row["dropped"] = self.dropped[name]
+            out[name] = row
+        return out
