@@ -1,0 +1,221 @@
+"""``wrap(model, "auto")`` on real 2-process gloo groups: it explores from plain DDP,
+switches every rank at the same step, keeps the ranks' parameters equal, saves a policy
+that loads and shows, checkpoints its comm state, changes bucket sizes exactly, and
+rejects bad options. Decisions that depend on timing are forced where a test needs
+them; no test asserts a speed."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import autotune
+from autotune.errors import AutotuneError
+from autotune.online import explore
+from autotune.policies import load_policy
+from autotune.workloads import resolve_workload
+
+pytestmark = pytest.mark.multirank  # every test here starts ranks
+
+FAST = {"trial_steps": 1, "explore_steps": 40, "budget_s": 3.0, "trials": 15, "candidates": 1,
+        "network_budget_s": 0.3, "profile_steps": 2}
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _settled(ddp: Any) -> bool:
+    """Whether rank 0's controller has settled, agreed by every rank."""
+    flag = torch.tensor([float(ddp.controller.phase == "settled")])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _train_until_settled(ddp: Any, work: Any, opt: torch.optim.Optimizer, others: list[Any] = (),
+                         after: int = 6, most: int = 3000) -> int:
+    """Train until rank 0 settled, then ``after`` more steps; ``others`` are (model,
+    optimizer) pairs trained on the same batches. Returns the steps run."""
+    rank = dist.get_rank()
+    left = None
+    for step in range(most):
+        x, y = work.make_batch(step * 2 + rank)
+        for model, o in [(ddp, opt), *others]:
+            o.zero_grad()
+            work.loss_fn(model(x), y).backward()
+            o.step()
+        if left is None and _settled(ddp):
+            left = after
+        if left is not None:
+            left -= 1
+            if left <= 0:
+                return step + 1
+    raise AssertionError(f"auto did not settle within {most} steps")
+
+
+def _force_winner(prefer: str) -> None:
+    """Make the trials' decision deterministic: the contender called ``prefer`` (else
+    the last measured one) wins, whatever was measured."""
+
+    def decide(self: explore.Exploration) -> Any:
+        from autotune.trials import Decision
+
+        measured = [n for n in self.order if self.times[n]]
+        name = prefer if prefer in measured else measured[-1]
+        medians = {n: 2.0 for n in measured} | {name: 1.0}
+        return self.contenders[name], Decision(winner=name, medians=medians, fastest=name,
+                                               reason=f"forced: {name}")
+
+    explore.Exploration.decide = decide  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------ ranks
+def rank_auto(save: str, log: str, prefer: str = "ddp5mb") -> dict[str, Any]:
+    """Auto on the mlp with a forced winner that changes the bucket size."""
+    _force_winner(prefer)
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, "auto", save=save, log=log, **FAST)
+    opt = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    steps = _train_until_settled(ddp, work, opt)
+    switches = [(e["step"], e["new_policy"]) for e in ddp.controller.events if e["event"] == "switch"]
+    # checkpoint round trip: tensors, numbers and strings only
+    buf = io.BytesIO()
+    torch.save(ddp.comm_state.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    again = autotune.wrap(copy.deepcopy(work.model), ddp.policy)
+    again.comm_state.load_state_dict(state)
+    return {"switches": switches, "digest": _digest(work.model), "steps": steps,
+            "policy_id": ddp.policy.id, "cap": ddp.policy.bucket_cap_mb,
+            "summary": ddp.controller.summary, "restored_step": again.comm_state.step,
+            "saved_step": ddp.comm_state.step}
+
+
+def rank_exact(save: str) -> dict[str, Any]:
+    """max_error=0 leaves only exact contenders (plain averaging at several bucket
+    sizes); the winner is forced to another cap. Training must equal plain DDP's."""
+    _force_winner("ddp1mb")
+    work = resolve_workload("cnn")
+    reference = copy.deepcopy(work.model)
+    ddp = autotune.wrap(work.model, "auto", save=save, max_error=0.0, **FAST)
+    plain = DistributedDataParallel(reference)
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    _train_until_settled(ddp, work, opt, others=[(plain, ref_opt)])
+    caps = sorted({e["bucket_cap_mb"] for e in ddp.controller.events if e["event"] == "switch"})
+    diff = max(float((a - b).abs().max()) for a, b in zip(work.model.parameters(), reference.parameters()))
+    return {"diff": diff, "caps": caps, "digest": _digest(work.model),
+            "compressors": sorted({s.name for s in ddp.policy.compressors()})}
+
+
+def rank_rebucket(steps: int = 12) -> dict[str, Any]:
+    """AutotuneDDP.set_bucket_cap between steps: the same training as plain DDP."""
+    work = resolve_workload("cnn")
+    reference = copy.deepcopy(work.model)
+    ddp = autotune.wrap(work.model, None)
+    plain = DistributedDataParallel(reference)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (work.model, reference)]
+    buckets = []
+    for step in range(steps):
+        if step in (3, 6, 9):
+            ddp.set_bucket_cap({3: 0.05, 6: 100.0, 9: 2.0}[step])
+        x, y = work.make_batch(step * 2 + dist.get_rank())
+        for model, o in zip((ddp, plain), opts):
+            o.zero_grad()
+            work.loss_fn(model(x), y).backward()
+            o.step()
+        buckets.append(len(ddp.comm_state.last_step_records()))
+    diff = max(float((a - b).abs().max()) for a, b in zip(work.model.parameters(), reference.parameters()))
+    return {"diff": diff, "buckets": buckets}
+
+
+def rank_bad_options(tmp: str) -> dict[str, str]:
+    work = resolve_workload("mlp")
+    cases: dict[str, dict[str, Any]] = {
+        "explore_steps": {"explore_steps": 1},
+        "trial_steps": {"trial_steps": 0},
+        "network_budget_s": {"network_budget_s": -1.0},
+        "max_error": {"max_error": float("nan")},
+        "profile": {"profile": f"{tmp}/missing.json"},
+        "pinned_unknown": {"pinned": {"nope.weight": {"compressor": "fp16"}}},
+        "pinned_spec": {"pinned": {"0.weight": {"compressor": "zip"}}},
+        "save_dir": {"save": f"{tmp}/no/such/dir/policy.json"},
+    }
+    out: dict[str, str] = {}
+    for name, kwargs in cases.items():
+        try:
+            autotune.wrap(copy.deepcopy(work.model), "auto", **kwargs)
+        except AutotuneError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "accepted"
+    try:
+        autotune.wrap(copy.deepcopy(work.model), None, save=f"{tmp}/p.json")
+    except AutotuneError as exc:
+        out["save_without_auto"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+# ------------------------------------------------------------------------ tests
+def test_auto_explores_and_switches_every_rank_at_the_same_step(run_ranks, tmp_path: Path) -> None:
+    save, log = tmp_path / "policy.json", tmp_path / "auto.jsonl"
+    a, b = run_ranks("test_auto:rank_auto", save=str(save), log=str(log), timeout=400)
+    assert a["switches"] and a["switches"] == b["switches"]  # same steps, same policies
+    assert len(a["switches"]) >= 3  # at least one trial (there and back) and the winner
+    assert a["digest"] == b["digest"]
+    assert a["policy_id"] == b["policy_id"] and a["cap"] == 5.0  # the forced winner
+    summary = a["summary"]
+    assert summary["policy"] == "ddp5mb" and summary["explore_steps"] > 0
+    assert summary["degraded_steps"] >= 0 and summary["speedup"] > 0
+    assert b["summary"] is None  # rank 0 decides and reports
+    assert a["restored_step"] == a["saved_step"]
+
+    policy = load_policy(save)  # the saved policy loads and shows
+    assert policy.id == a["policy_id"] and policy.bucket_cap_mb == 5.0
+    assert policy.meta["auto"]["policy"] == "ddp5mb" and policy.meta["verified"]
+    from autotune.cli import main
+
+    assert main(["show", str(save)]) == 0
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.index("network_probe") < kinds.index("searched") < kinds.index("settled")
+
+
+def test_bucket_changes_under_auto_train_exactly_as_plain_ddp(run_ranks, tmp_path: Path) -> None:
+    a, b = run_ranks("test_auto:rank_exact", save=str(tmp_path / "p.json"), timeout=400)
+    assert a["compressors"] == ["none"]
+    assert 1.0 in a["caps"] and len(a["caps"]) >= 2  # buckets rebuilt at least twice
+    assert a["digest"] == b["digest"]
+    assert a["diff"] <= 1e-6 and b["diff"] <= 1e-6  # DDP's result up to summation order
+
+
+def test_set_bucket_cap_rebuilds_buckets_and_keeps_training_exact(run_ranks) -> None:
+    for r in run_ranks("test_auto:rank_rebucket", timeout=240):
+        assert r["diff"] <= 1e-6
+        assert len(set(r["buckets"])) >= 2  # the bucket count followed the caps
+
+
+def test_bad_auto_options_fail_in_wrap_with_one_clear_error(run_ranks, tmp_path: Path) -> None:
+    (out,) = run_ranks("test_auto:rank_bad_options", nprocs=1, tmp=str(tmp_path), timeout=120)
+    assert "accepted" not in out.values(), out
+    assert "explore_steps must be an integer >=" in out["explore_steps"]
+    assert "trial_steps" in out["trial_steps"]
+    assert "network_budget_s" in out["network_budget_s"]
+    assert "max_error" in out["max_error"]
+    assert "measures its own profile" in out["profile"]
+    assert "nope.weight" in out["pinned_unknown"]
+    assert "zip" in out["pinned_spec"]
+    assert "policy to save" in out["save_dir"]
+    assert 'only with wrap(model, "auto")' in out["save_without_auto"]
