@@ -124,3 +124,31 @@ def test_a_bad_exact_margin_is_one_line(mlp_profile: Path, tmp_path: Path, capsy
     assert main(["tune", str(mlp_profile), "--out", str(tmp_path / "p.json"), "--exact-margin", "1.5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected a number in [0, 1)" in err
+
+
+def test_a_set_up_dropped_early_cannot_tie_its_way_back(monkeypatch) -> None:
+    """Measurement drops a set-up once it is shown slower (few steps, a wide interval);
+    the decision is among the survivors, so plain DDP dropped after 6 noisy steps does
+    not win a tie against the fastest measured 20 times."""
+    import autotune.search.verify as verify
+    from test_models import synthetic_profile
+
+    from autotune.search.tuner import tune
+
+    result = tune(synthetic_profile("cnn", link_bps=1e8), trials=10, seed=0, top_k=4)
+    setups, info = verify._setups(result, 2, "gloo")
+    fastest = next(s["name"] for s in setups if s["name"].startswith("candidate") or s["name"] == "tuned")
+    steps = {}
+    for s in setups:
+        name = s["name"]
+        if name == fastest:
+            steps[name] = [0.80 + 0.001 * (i % 5) for i in range(20)]
+        elif name == "stock:ddp":
+            steps[name] = [0.5, 1.6, 0.7, 1.4, 0.9, 1.2]  # dropped after 3 rounds, median 1.05
+        else:
+            steps[name] = [1.0 + 0.001 * (i % 5) for i in range(6)]
+    monkeypatch.setattr(verify, "launch", lambda *a, **k: [
+        {"results": [{"name": n, "step_s": t} for n, t in steps.items()], "rounds": 10}])
+    policy, report = verify.verify_result(result, 2, "cnn", None)  # type: ignore[arg-type]
+    assert report["_summary"]["winner"] == fastest
+    assert report["stock:ddp"]["steps"] == 6 and report[fastest]["steps"] == 20

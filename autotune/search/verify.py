@@ -7,7 +7,9 @@ error/time Pareto front run in one job, interleaved (A B C A B C ...), beside ev
 preset a user could have picked (:mod:`autotune.presets`: plain DDP and PyTorch's own
 hooks, and our policy for the same method), in rounds, until a bootstrap interval
 separates the fastest from the runner-up or the time budget ends
-(:func:`autotune.trials.decide`). Only set-ups within the error budget may win; a tie
+(:func:`autotune.trials.decide`; a set-up shown slower than the fastest is dropped on
+the way, and only those still measured at the end decide, so that one dropped after a
+few noisy steps cannot tie its way back in). Only set-ups within the error budget may win; a tie
 goes to the simpler (plain DDP first, then the presets, then the candidates), and an
 exact set-up (error 0) measured within ``exact_margin`` (default 5%) of a faster lossy
 winner wins instead. When a preset wins, the emitted policy is our equivalent of it,
@@ -16,6 +18,7 @@ and its meta says so.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any, Sequence
 
 from autotune.launch import Placement, launch
@@ -23,7 +26,7 @@ from autotune.policies import Policy
 from autotune.presets import PRESETS
 from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN
 from autotune.search.tuner import Candidate, TuneResult
-from autotune.trials import decide
+from autotune.trials import decide, ratio_interval
 
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "model_accuracy",
            "verify_result"]
@@ -116,22 +119,30 @@ def verify_result(
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
                               "separate": eligible})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
-    decision = decide({n: times[n] for n in eligible}, eligible)
+    # Measurement drops a set-up once it is shown slower than the fastest (successive
+    # elimination): one dropped early has few steps, hence a wide interval, and must not
+    # tie its way back in; the survivors (the most steps) decide.
+    most = max(len(times[n]) for n in eligible)
+    survivors = [n for n in eligible if len(times[n]) == most]
+    decision = decide({n: times[n] for n in survivors}, survivors)
     overall = decide(times, [s["name"] for s in setups])
     winner, why = decision.winner, decision.reason
-    exact = _exact_within(decision.medians, info, winner, exact_margin)
+    medians = {n: statistics.median(times[n]) for n in eligible}
+    exact = _exact_within(medians, info, winner, exact_margin)
     if exact is not None:
         why = (f"{exact} (exact) measured within {exact_margin:.0%} of the lossy {winner} "
-               f"({decision.medians[exact] / decision.medians[winner]:.3f}x): the exact one wins; "
+               f"({medians[exact] / medians[winner]:.3f}x): the exact one wins; "
                + why)
         winner = exact
     report: dict[str, Any] = {}
     for s in setups:
         name = s["name"]
-        entry = {**info[name], "measured_step_s": decision.medians.get(name, overall.medians[name]),
-                 "steps": len(times[name])}
+        entry = {**info[name], "measured_step_s": overall.medians[name], "steps": len(times[name])}
         if name in decision.intervals:
             entry["interval_vs_fastest"] = list(decision.intervals[name])
+        elif name in eligible and name not in survivors:  # dropped as slower on the way
+            entry["interval_vs_fastest"] = list(ratio_interval(times[name], times[decision.fastest]))
+            entry["dropped"] = True
         report[name] = entry
     emitted_name = info[winner].get("equivalent", winner)
     ours = {b.name: b for b in result.baselines}
