@@ -130,9 +130,9 @@ def test_a_set_up_dropped_early_cannot_tie_its_way_back(monkeypatch) -> None:
     """Measurement drops a set-up once it is shown slower (few steps, a wide interval);
     the decision is among the survivors, so plain DDP dropped after 6 noisy steps does
     not win a tie against the fastest measured 20 times."""
-    import autotune.search.verify as verify
     from test_models import synthetic_profile
 
+    import autotune.search.verify as verify
     from autotune.search.tuner import tune
 
     result = tune(synthetic_profile("cnn", link_bps=1e8), trials=10, seed=0, top_k=4)
