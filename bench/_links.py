@@ -1,10 +1,15 @@
-"""Shared by the benchmarks: where 2 ranks run for a link name."""
+"""Shared by the benchmarks: where 2 ranks run for a link name, and how results are saved."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import time
 from typing import Any, Iterator
 
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 from autotune.launch import local_placement
 
 
@@ -20,3 +25,12 @@ def two_ranks(link: str) -> Iterator[Any]:
 
     with EmulatedCluster(2, parse_link(link)) as cluster:
         yield cluster
+
+
+def save_cells(benchmark: str, args: argparse.Namespace, cells: list[dict[str, Any]], started: float) -> None:
+    """Write the cells measured so far to ``args.out`` atomically (after every cell, so
+    a crash keeps what was measured)."""
+    out = {"benchmark": benchmark, "args": vars(args) | {"out": str(args.out)},
+           "cells": cells, "wall_s": time.time() - started}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")

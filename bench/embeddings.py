@@ -19,19 +19,16 @@ Writes JSON (default bench/results/embeddings.json) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _links import two_ranks  # bench/ is on sys.path when a script runs
+from _links import save_cells, two_ranks  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
 
-from autotune.errors import AutotuneError
-from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.probes.run import profile_job
 from autotune.search.defaults import candidate_pool
@@ -82,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[dict[str, Any]] = []
 
     def save() -> None:
-        out = {"benchmark": "embeddings", "args": vars(args) | {"out": str(args.out)},
-               "cells": cells, "wall_s": time.time() - started}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
+        save_cells("embeddings", args, cells, started)
 
     for link in args.links.split(","):
         with two_ranks(link) as where:

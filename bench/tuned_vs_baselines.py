@@ -22,20 +22,17 @@ among the baselines). Writes JSON and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _links import two_ranks  # bench/ is on sys.path when a script runs
+from _links import save_cells, two_ranks  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
 from scipy.stats import kendalltau
 
-from autotune.errors import AutotuneError
-from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.links import parse_link
 from autotune.models.cost_model import CostModel
@@ -100,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     fit_profiles: dict[str, Any] = {}
 
     def save() -> None:
-        out = {"benchmark": "tuned_vs_baselines", "args": vars(args) | {"out": str(args.out)},
-               "cells": cells, "wall_s": time.time() - started}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
+        save_cells("tuned_vs_baselines", args, cells, started)
 
     for link in args.links.split(","):
         with two_ranks(link) as where:

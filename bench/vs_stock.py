@@ -23,20 +23,16 @@ bench/results/vs_stock.json) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from _links import save_cells, two_ranks  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
 
-from _links import two_ranks  # bench/ is on sys.path when a script runs
-
-from autotune.errors import AutotuneError
-from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.runtime.hook import PHASES
 from autotune.workloads import resolve_workload
@@ -103,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[dict[str, Any]] = []
 
     def save() -> None:
-        out = {"benchmark": "vs_stock", "args": vars(args) | {"out": str(args.out)},
-               "cells": cells, "wall_s": time.time() - started}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
+        save_cells("vs_stock", args, cells, started)
 
     for link in args.links.split(","):
         with two_ranks(link) as where:
