@@ -45,7 +45,7 @@ TAIL = 40  # steps of the settled median
 
 def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -> dict[str, Any]:
     where = ["--hosts", "1", "--nproc-per-node", "2"] if link == "unshaped" else [
-        "--hosts", "2", "--link", link]
+        "--hosts", "2", "--nproc-per-node", "1", "--link", link]
     script_mode = "policy" if mode == "static" else mode
     command = ["flock", "/tmp/bench.lock", sys.executable, "-m", "autotune", "launch", *where,
                "--timeout", "1200", str(SCRIPT), "--model", model, "--mode", script_mode,
@@ -70,7 +70,9 @@ def row(r: dict[str, Any], ddp_median: float | None) -> dict[str, Any]:
                                    if ddp_median else None)}
     if r.get("auto"):
         a = r["auto"]
-        out.update(auto_degraded=a.get("degraded_steps"), auto_explore_steps=a.get("explore_steps"),
+        out.update(auto_degraded=a.get("total_degraded_steps", a.get("degraded_steps")),
+                   auto_explore_steps=a.get("total_explore_steps", a.get("explore_steps")),
+                   auto_explorations=a.get("total_explorations", 1),
                    auto_policy=a.get("policy"), auto_speedup=a.get("speedup"),
                    auto_stall_s=a.get("stall_s"), auto_settled_step=a.get("settled_step"))
     return out
@@ -93,6 +95,10 @@ def main() -> None:
             for rnd in range(args.repeats):
                 results = {}
                 for mode in MODES:
+                    if mode == "static" and not policy.exists():
+                        print(f"{model:5} {link:9} round {rnd} static   skipped: auto has not "
+                              f"settled on a policy in any run so far", flush=True)
+                        continue
                     r = run(model, mode, link, args.steps, policy, work / f"{model}-{link}-{mode}-{rnd}.out")
                     r.update(mode_name=mode, round=rnd)
                     results[mode] = r
@@ -100,7 +106,7 @@ def main() -> None:
                           f"median {statistics.median(r['step_s'][-TAIL:]) * 1e3:7.1f} ms  "
                           f"wall {r['wall_s']:6.1f} s  loss {r['final_loss']:.3f}", flush=True)
                 ddp = statistics.median(results["ddp"]["step_s"])
-                rows += [row(results[m], ddp) for m in MODES]
+                rows += [row(results[m], ddp) for m in MODES if m in results]
                 if results["auto"].get("auto"):
                     Path(str(policy) + f".round{rnd}").write_text(policy.read_text())
                 args.out.parent.mkdir(parents=True, exist_ok=True)

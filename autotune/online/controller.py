@@ -29,9 +29,10 @@ between steps, at the start of a forward pass: never inside a backward pass.
   explores first. Rank 0 times a few steps of DDP (the reference), instruments a few
   more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
   copies of the live gradients), then every rank joins a short network probe at one
-  boundary; a background thread on rank 0 probes the codecs on the copied gradients,
-  builds a :class:`~autotune.probes.profile.Profile`, fits the cost model and runs the
-  search; then the best candidates and the presets' equivalents are tried on live
+  boundary; a search worker process on rank 0 (:mod:`autotune.online.worker`, at the
+  lowest CPU priority, so training keeps its GIL and cores) probes the codecs on the
+  copied gradients, builds a :class:`~autotune.probes.profile.Profile`, fits the cost
+  model and runs the search; then the best candidates and the presets' equivalents are tried on live
   steps (:class:`~autotune.online.explore.Exploration`: A B A C ..., a few steps
   each), the measured best is switched to on every rank at once, saved, and drift
   watching begins; a drift re-runs the search and the trials. During exploration the
@@ -42,15 +43,17 @@ Every decision is appended to a JSONL log; the final policy can be exported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -59,14 +62,15 @@ from autotune.errors import AutotuneError
 from autotune.jsonio import check_writable
 from autotune.models.simulator import WhatIf
 from autotune.online.explore import Contender, Exploration
-from autotune.online.live import LiveProfiler
+from autotune.online.live import LiveProfiler, live_environment
+from autotune.online.search import trial_contenders
+from autotune.online.worker import SearchWorker
 from autotune.policies import Policy
 
 if TYPE_CHECKING:
     from autotune.models.cost_model import CostModel
     from autotune.probes.profile import Profile
     from autotune.runtime.hook import AutotuneState, BucketRecord
-    from autotune.search.tuner import TuneResult
 
 __all__ = ["AUTO_KNOBS", "OnlineConfig", "Controller"]
 
@@ -172,9 +176,8 @@ AUTO_KNOBS = frozenset({"explore_steps", "trial_steps", "candidates", "profile_s
 DEGRADED_MARGIN = 0.1
 FIRST_TIMED_STEP = 2  # steps 0 and 1 run before and during DDP's bucket rebuild
 CODEC_SHARE = 0.4  # of budget_s: the auto mode's codec probe; the search gets the rest
-# contenders predicted slower than the policy in force by more than this are not tried
-# (the model's errors, 16-21% in the ratio to DDP, stay inside it)
-PRUNE_ABOVE = 1.3
+SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
+GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
 
 
 @dataclass
@@ -186,13 +189,29 @@ class _Window:
     probes: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
 
 
-def _lower_priority() -> None:
-    """Lower this thread's CPU priority (Linux: a thread is a task with its own nice
-    value); elsewhere, or without permission, leave it."""
+def _preload() -> None:
+    with _short_gil_slices():
+        import autotune.models.cost_model  # noqa: F401
+        import autotune.probes.profile  # noqa: F401
+        import autotune.search.space  # noqa: F401
+
+
+@contextlib.contextmanager
+def _short_gil_slices(seconds: float = GIL_SLICE_S) -> Iterator[None]:
+    """While a background search runs, let the interpreter hand the GIL over sooner.
+
+    CPython makes a thread that wants the GIL wait up to the switch interval (5 ms by
+    default) while another runs Python. Training takes the GIL many times a step
+    (autograd hooks, the communication hook, the communication thread), so a search
+    busy in Python (Optuna, the codec probe's bookkeeping) would add that wait to each;
+    shorter slices keep training's steps near their speed.
+    """
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, seconds))
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 class Controller:
@@ -265,8 +284,15 @@ class Controller:
         self._network: dict[str, Any] | None = None
         self._exploration: Exploration | None = None
         self._stall_s = 0.0  # the network probe's time (outside any step)
+        self._totals = {"explorations": 0, "explore_steps": 0, "degraded_steps": 0}
+        self._worker: SearchWorker | None = None
+        self._reply: dict[str, Any] | None = None  # a thread search's reply
         if auto and self.rank == 0:
             self._profiler = LiveProfiler(module, state)  # type: ignore[arg-type]
+            try:  # now, so that its imports overlap the first steps
+                self._worker = SearchWorker()
+            except OSError as exc:
+                logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
         if auto and config.save is not None and self.rank == 0:
             check_writable(config.save, AutotuneError, "the policy to save")
         if self.rank == 0:
@@ -493,8 +519,8 @@ class Controller:
             self._strikes = 0
             reason = {"event": "drift", "step": self.step, "measured_step_s": measured,
                       "predicted_step_s": predicted, "step_ratio_change": ratio / ref_ratio,
-                      "link_scale": self._scale, "link_bps_estimate": link,
-                      "policy": self.state.policy.id}
+                      "link_scale": self._scale, "ref_link_scale": ref_scale,
+                      "link_bps_estimate": link, "policy": self.state.policy.id}
             self._log(reason)
             self._start_search(link, reason)
         return b"", 0
@@ -504,7 +530,8 @@ class Controller:
 
         def run() -> None:
             try:
-                self._research(current, link_bps, reason)
+                with _short_gil_slices():
+                    self._research(current, link_bps, reason)
             except Exception as exc:  # noqa: BLE001 - a failed search keeps the policy
                 logger.warning("online re-search failed, keeping the policy: %s", exc)
                 self._log({"event": "search_failed", "step": self.step, "error": str(exc)})
@@ -531,7 +558,10 @@ class Controller:
                       top_k=self.config.candidates + 2)
         self._top = [c.policy for c in result.top]
         if self.auto:  # a prediction prunes, a measurement decides: live trials again
-            exploration = self._trials_for(result, current, what_if)
+            exploration = self._trials(*trial_contenders(
+                self.profile, model, result, current, pinned=self.config.pinned,
+                max_error=self._max_error(), rebucket=self.rebucket is not None,
+                candidates=self.config.candidates, what_if=what_if))
             self._log({"event": "retrial", "step": self.step, "search_s": time.perf_counter() - started,
                        "contenders": list(exploration.order), "trigger": reason})
             with self._lock:
@@ -581,9 +611,10 @@ class Controller:
             self.phase = "search"
             return b"", 0, 0, 1
         if self.phase == "search":
-            if self._search is not None and self._search.is_alive():
+            reply = self._poll_search()
+            if reply is None:
                 return b"", 0, 0, 1
-            if self._exploration is None:  # the search failed: keep plain DDP
+            if not self._adopt(reply):  # the search failed: keep plain DDP
                 return self._conclude(None, None)
             self.phase = "trial"
         exploration = self._exploration
@@ -612,106 +643,82 @@ class Controller:
         grads = self._profiler.grads
         self._profiler.close()
         self._profiler = None
-        network, current = self._network, self.state.policy
-        reference = statistics.median(self._ddp_steps)
+        request = {
+            "compute": compute, "network": self._network, "env": live_environment(self._network),
+            "current": self.state.policy.to_dict(), "model_name": self._model_name,
+            "world_size": self.world, "reference_s": statistics.median(self._ddp_steps),
+            "budget_s": self.config.budget_s, "codec_share": CODEC_SHARE,
+            "trials": self.config.trials, "max_error": self._max_error(),
+            "pinned": {k: dict(v) for k, v in self.config.pinned.items()},
+            "rebucket": self.rebucket is not None, "candidates": self.config.candidates}
+        if self._worker is not None:
+            try:
+                self._worker.submit(request, grads, timeout_s=SEARCH_TIMEOUT_S + 10 * self.config.budget_s)
+                # what taking the reply needs (the cost model: scikit-learn), imported
+                # while the worker searches, not in one go between two steps
+                threading.Thread(target=_preload, name="autotune-preload", daemon=True).start()
+                return
+            except OSError as exc:  # it died before the request: search here instead
+                logger.warning("auto: the search worker failed (%s); searching on a thread", exc)
+                self._worker.close()
+                self._worker = None
 
         def run() -> None:
-            _lower_priority()  # training keeps the cores; the search takes what is idle
+            from autotune.online.search import auto_search
+
             try:
-                self._auto_search(compute, grads, network, current, reference)
+                with _short_gil_slices():
+                    reply = auto_search(
+                        request["compute"], grads, request["network"], self.state.policy,
+                        **{k: v for k, v in request.items()
+                           if k not in ("compute", "network", "current")})
             except Exception as exc:  # noqa: BLE001 - a failed search keeps plain DDP
-                logger.warning("auto: the search failed, keeping plain DDP: %s", exc)
-                self._log({"event": "search_failed", "step": self.step, "error": str(exc)})
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            with self._lock:
+                self._reply = reply
 
         self._search = threading.Thread(target=run, name="autotune-auto-search", daemon=True)
         self._search.start()
 
-    def _auto_search(self, compute: dict[str, Any], grads: dict[str, list[torch.Tensor]],
-                     network: dict[str, Any], current: Policy, reference: float) -> None:
-        from autotune.online.live import live_profile
-        from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
-
-        started = time.perf_counter()
-        budget = self.config.budget_s
-        self.profile = live_profile(
-            compute, grads, network, model_name=self._model_name, world_size=self.world,
-            codec_budget_s=CODEC_SHARE * budget,
-            calibration=[{"policy": None, "step_s": reference}])
-        self._model = None
-        probed = time.perf_counter()
-        max_error = self.config.max_error if self.config.max_error is not None else DEFAULT_MAX_ERROR
-        caps = None if self.rebucket is not None else (current.bucket_cap_mb,)
-        result = tune(self.profile, max_error=max_error, trials=self.config.trials,
-                      model=self.model(), pinned=dict(self.config.pinned), caps=caps,
-                      seeds=[current], timeout=max(budget - (probed - started), 0.2 * budget),
-                      study_name="auto", top_k=self.config.candidates + 2)
-        self._top = [c.policy for c in result.top]
-        exploration = self._trials_for(result, current, WhatIf())
-        self._log({"event": "searched", "step": self.step, "codec_probe_s": probed - started,
-                   "search_s": time.perf_counter() - probed, "trials": result.trials,
-                   "contenders": list(exploration.order)})
+    def _poll_search(self) -> dict[str, Any] | None:
+        """The auto search's reply once it is there (None: still searching)."""
+        if self._worker is not None:
+            reply = self._worker.poll()
+            if reply is not None:
+                self._worker.close()
+                self._worker = None
+            return reply
+        ended = self._search is None or not self._search.is_alive()
         with self._lock:
-            self._exploration = exploration
+            reply, self._reply = self._reply, None
+        if reply is None and ended:
+            return {"error": "the search thread ended without a reply"}
+        return reply
 
-    def _trials_for(self, result: TuneResult, current: Policy, what_if: WhatIf) -> Exploration:
-        """The contenders of live trials, simplest first: plain DDP, the policy in force,
-        the presets' equivalents within the error budget, the tuned candidates; those
-        predicted far slower than the policy in force are left out."""
-        from autotune.errors import ProfileError
-        from autotune.search.space import ErrorModel
-        from autotune.search.tuner import DEFAULT_MAX_ERROR
-        from autotune.search.verify import candidates
+    def _adopt(self, reply: dict[str, Any]) -> bool:
+        """Take the search's profile and contenders (False: it failed)."""
+        from autotune.online.search import contender_from_dict
+        from autotune.probes.profile import Profile
 
-        assert self.profile is not None
-        model = self.model()
-        errors = ErrorModel(self.profile)
-        pinned = {k: dict(v) for k, v in self.config.pinned.items()}
-        max_error = self.config.max_error if self.config.max_error is not None else DEFAULT_MAX_ERROR
+        if "error" in reply:
+            logger.warning("auto: the search failed, keeping plain DDP: %s", reply["error"])
+            self._log({"event": "search_failed", "step": self.step, "error": reply["error"]})
+            return False
+        from autotune.models.cost_model import CostModel
 
-        def overlay(policy: Policy) -> Policy:
-            data = {k: v for k, v in policy.to_dict().items() if k != "meta"}
-            if pinned:
-                data["layers"] = {**data.get("layers", {}), **pinned}
-            return Policy.from_dict(data, source="trial policy")
+        self.profile = Profile.from_dict(reply["profile"], source="live profile")
+        self._model = CostModel.from_dict(reply["model"], source="the live cost model")
+        self._top = [Policy.from_dict(p, source="searched policy") for p in reply["top"]]
+        self._exploration = self._trials(
+            [contender_from_dict(c) for c in reply["contenders"]], reply["current"])
+        self._log({"event": "searched", "step": self.step, "codec_probe_s": reply["codec_probe_s"],
+                   "search_s": reply["search_s"], "trials": reply["trials"],
+                   "worker": self._search is None,
+                   "contenders": list(self._exploration.order)})
+        return True
 
-        def error(policy: Policy) -> float | None:
-            try:
-                return errors.of(policy)
-            except ProfileError:  # a compressor the codec probe did not reach
-                return None
-
-        def contender(name: str, policy: Policy, kind: str) -> Contender | None:
-            e = error(policy)
-            if e is None or (kind != "ddp" and e > max_error):
-                return None
-            return Contender(name, policy, kind, e, model.predict(policy, what_if).step_s)
-
-        ddp = overlay(Policy(bucket_cap_mb=current.bucket_cap_mb if self.rebucket is None
-                             else Policy().bucket_cap_mb))
-        pool = [contender("ddp", ddp, "ddp"), contender("current", overlay(current), "current")]
-        for b in result.baselines:
-            policy = overlay(b.policy)
-            if self.rebucket is None and policy.bucket_cap_mb != current.bucket_cap_mb:
-                continue
-            pool.append(contender(b.name, policy, "baseline"))
-        for tuned in candidates(result, self.config.candidates):
-            pool.append(contender(tuned.name, tuned.policy, "candidate"))
-        chosen: list[Contender] = []
-        seen: dict[str, str] = {}  # policy id -> the (simplest) contender's name
-        now = model.predict(current, what_if).step_s
-        for entry in pool:
-            if entry is None or entry.policy.id in seen:
-                continue
-            if entry.kind not in ("ddp", "current") and entry.predicted_s is not None and (
-                    entry.predicted_s > PRUNE_ABOVE * now):
-                continue
-            seen[entry.policy.id] = entry.name
-            chosen.append(entry)
-        current_name = seen.get(overlay(current).id)
-        if current_name is None:  # over the error budget: still what runs between trials
-            chosen.insert(1, Contender("current", overlay(current), "current", 0.0, None))
-            current_name = "current"
-        return Exploration(chosen, current_name, trial_steps=self.config.trial_steps,
+    def _trials(self, contenders: list[Contender], current: str) -> Exploration:
+        return Exploration(contenders, current, trial_steps=self.config.trial_steps,
                            budget_steps=self.config.explore_steps)
 
     def _conclude(self, winner: Contender | None, decision: Any) -> tuple[bytes, int, int, int]:
@@ -737,6 +744,11 @@ class Controller:
             "policy": winner.name if winner is not None else "current",
             "ddp_start_step_s": base,
         }
+        # over every exploration of the run (a drift adds one)
+        for key in ("explore_steps", "degraded_steps"):
+            self._totals[key] += summary[key]
+        self._totals["explorations"] += 1
+        summary.update({f"total_{k}": v for k, v in self._totals.items()})
         if winner is not None and exploration is not None:
             measured = decision.medians[winner.name]
             summary.update(measured_step_s=measured, ddp_step_s=base,
@@ -792,7 +804,13 @@ class Controller:
             results.append({"policy": None if policy.id == Policy().id else plain, "step_s": median})
         data["calibration"] = {"results": results}
         self.profile = type(self.profile).from_dict(data, source="live profile")
-        self._model = None
+        if self._model is None or len(results) < 3:
+            return
+        # only the residual learns from the trials: refitting every component here,
+        # between two steps, would stall training for seconds
+        self._model.fit_residual([
+            (None if p.get("policy") is None else Policy.from_dict(p["policy"], source="calibration"),
+             float(p["step_s"])) for p in results])
 
     # ----------------------------------------------------------------- logging
     def _log(self, event: dict[str, Any]) -> None:

@@ -1,17 +1,23 @@
-"""Trials on the live job: a few steps of each contender, interleaved with the policy in
-force (A B A C A D ...), until the measurement decides.
+"""Trials on the live job: a few steps of each contender, interleaved with the fastest
+measured so far (A B A C ...; B becomes A once it measures faster), until the
+measurement decides.
 
 Rank 0's bookkeeping only; the controller announces every switch to all ranks (so they
 all run the same policy at the same step) and hands each finished step's time back.
 A block is one settling step (not timed: after a switch PowerSGD builds its state, and
 after a bucket change DDP's first iteration runs in one bucket while it learns the
-gradient order) and ``trial_steps`` timed steps. After the first round a contender
-measured beyond ``reject_above`` times the policy in force is dropped (it costs its
-user degraded steps); after ``min_rounds`` those a bootstrap interval puts behind the
-fastest are dropped too (:func:`autotune.trials.ratio_interval`). The trials end with
-one contender left, after ``max_rounds`` or when the step budget is spent;
-:func:`autotune.trials.decide` then picks the fastest, a tie going to the simpler
-(plain DDP first), and never one measured slower than plain DDP.
+gradient order) and ``trial_steps`` timed steps. Contenders are visited in the order of
+their predicted step time, so the fast ones come first and the steps between trials run
+the best policy found so far, not the slow start: that is what keeps degraded steps few.
+
+Three rules drop a contender, each costing its user fewer slow steps than measuring it
+fully: a timed step beyond ``abort_above`` times the incumbent's median ends its block at
+once; after the first round a median beyond ``reject_above`` times the incumbent's; after
+``min_rounds`` a bootstrap interval behind the fastest
+(:func:`autotune.trials.ratio_interval`). The trials end with one contender left, after
+``max_rounds`` or when the step budget is spent; :func:`autotune.trials.decide` then picks
+the fastest, a tie going to the simpler (plain DDP first), and never one measured slower
+than plain DDP.
 """
 
 from __future__ import annotations
@@ -38,41 +44,51 @@ class Contender:
 
 
 class Exploration:
-    """The schedule and measurements of one round of live trials.
+    """The schedule and measurements of one exploration.
 
     Args:
-        contenders: simplest first; the first is plain DDP, one of them is ``current``
-            (the policy in force when the trials start: A in A B A C ...).
+        contenders: simplest first (the order ties are broken in); the first is plain
+            DDP, one of them is ``current`` (the policy in force when the trials start,
+            the first incumbent).
         current: the name of the policy in force.
         trial_steps: timed steps per block (each block adds a settling step).
         budget_steps: steps the trials may take in all.
         min_rounds: rounds before the bootstrap test may drop a contender.
         max_rounds: rounds at most.
         reject_above: after the first round, drop a contender whose median exceeds the
-            current policy's by this factor.
+            incumbent's by this factor.
+        abort_above: end a contender's block at once, and drop it, when one of its timed
+            steps exceeds the incumbent's median by this factor (CPU speed drifts by up
+            to 1.5x for seconds here, so this is set above that).
     """
 
     def __init__(self, contenders: Sequence[Contender], current: str, *, trial_steps: int,
                  budget_steps: int, min_rounds: int = 2, max_rounds: int = 4,
-                 reject_above: float = 1.2) -> None:
+                 reject_above: float = 1.2, abort_above: float = 1.6) -> None:
         self.contenders = {c.name: c for c in contenders}
         self.order = [c.name for c in contenders]
         if current not in self.contenders:
             raise ValueError(f"current {current!r} is not a contender")
         self.current = current
+        self.incumbent = current  # the fastest measured so far: A in A B A C
         self.trial_steps = trial_steps
         self.budget_steps = budget_steps
         self.min_rounds = min_rounds
         self.max_rounds = max_rounds
         self.reject_above = reject_above
+        self.abort_above = abort_above
         self.times: dict[str, list[float]] = {n: [] for n in self.order}
-        self.alive = [n for n in self.order if n != current]
+        # predicted fastest first; unpredicted ones after, simplest first
+        rank = {n: i for i, n in enumerate(self.order)}
+        self._visit = sorted(self.order, key=lambda n: (
+            self.contenders[n].predicted_s is None, self.contenders[n].predicted_s or 0.0, rank[n]))
+        self.alive = [n for n in self._visit if n != current]  # not yet dropped, not A
         self.dropped: dict[str, str] = {}  # name -> why
         self.rounds = 0
         self.steps = 0  # steps run under the trials so far
         self._plan: dict[int, tuple[str, bool]] = {}  # step -> (contender, timed)
-        self._blocks: list[str] = []
-        self._running = current
+        self._queue: list[str] = []  # this round's contenders still to visit
+        self._last: str | None = None  # the contender of the block planned last
         self.done = not self.alive
 
     # ------------------------------------------------------------------ steps
@@ -85,13 +101,15 @@ class Exploration:
             self.steps += 1
             if ran[1]:
                 self.times[ran[0]].append(last_s)
+                self._maybe_abort(ran[0], last_s, step)
         if self.done:
             return None
         if step not in self._plan:  # the trials start here: `step` runs the current policy
-            self._plan[step] = (self.current, True)
+            self._plan[step] = (self.incumbent, True)
+            self._last = self.incumbent
         if step + 1 in self._plan:
             return None
-        name = self._next_block(step)
+        name = self._next_block()
         if name is None:
             self.done = True
             return None
@@ -99,34 +117,63 @@ class Exploration:
         settle = name != running
         for i in range(self.trial_steps + int(settle)):
             self._plan[step + 1 + i] = (name, not (settle and i == 0))
+        self._last = name
         return self.contenders[name] if settle else None
 
-    def _next_block(self, step: int) -> str | None:
-        if not self._blocks:
-            self._end_round()
-            if self.done or not self.alive:
-                return None
-            self.rounds += 1
-            for name in self.alive:
-                self._blocks += [self.current, name]
+    def _maybe_abort(self, name: str, seconds: float, step: int) -> None:
+        """One timed step of a contender far beyond the incumbent: stop measuring it."""
+        base = self.times[self.incumbent]
+        if name == self.incumbent or name not in self.alive or not base:
+            return
+        ratio = seconds / statistics.median(base)
+        if ratio > self.abort_above:
+            self._drop(name, f"a step {ratio:.2f}x the fastest so far ({self.incumbent}): "
+                             f"its block was cut short")
+            for later in [k for k, (n, _) in self._plan.items() if k > step and n == name]:
+                del self._plan[later]
+
+    def _promote(self) -> None:
+        """Make the last measured contender the incumbent when it is faster."""
+        last = self._last
+        if last is None or last == self.incumbent or last not in self.alive:
+            return
+        mine, base = self.times[last], self.times[self.incumbent]
+        if mine and base and statistics.median(mine) < statistics.median(base):
+            self.alive.remove(last)
+            self.alive.insert(0, self.incumbent)
+            self.incumbent = last
+
+    def _next_block(self) -> str | None:
+        if self._last is not None and self._last != self.incumbent:
+            self._promote()
+            name = self.incumbent  # back to A after each contender's block
+        else:
+            self._queue = [n for n in self._queue if n in self.alive]
+            if not self._queue:
+                self._end_round()
+                if self.done or not self.alive:
+                    return None
+                self.rounds += 1
+                self._queue = [n for n in self._visit if n in self.alive]
+            name = self._queue.pop(0)
         if self.steps + len(self._plan) + self.trial_steps + 1 > self.budget_steps:
             return None
-        return self._blocks.pop(0)
+        return name
 
     def _end_round(self) -> None:
         if self.rounds == 0:
             return
-        base = self.times[self.current]
+        base = self.times[self.incumbent]
         if self.rounds == 1 and base:
             ref = statistics.median(base)
             for name in list(self.alive):
                 t = self.times[name]
                 if t and statistics.median(t) > self.reject_above * ref:
-                    self._drop(name, f"{statistics.median(t) / ref:.2f}x the policy in force "
-                                     f"after one block")
+                    self._drop(name, f"{statistics.median(t) / ref:.2f}x the fastest so far "
+                                     f"({self.incumbent}) after one block")
         if self.rounds >= self.min_rounds:
             measured = {n: t for n, t in self.times.items()
-                        if (n in self.alive or n == self.current) and len(t) >= 2}
+                        if (n in self.alive or n == self.incumbent) and len(t) >= 2}
             if len(measured) >= 2:
                 fastest = min(measured, key=lambda n: statistics.median(measured[n]))
                 for name in list(self.alive):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autotune.probes.profile import Profile
 
-__all__ = ["LiveProfiler", "live_profile"]
+__all__ = ["LiveProfiler", "live_environment", "live_profile"]
 
 
 class LiveProfiler:
@@ -149,38 +149,46 @@ class LiveProfiler:
         }
 
 
+def live_environment(network: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile's ``env`` section of the live job (any rank, process group up)."""
+    from autotune.probes.run import environment
+
+    env = environment(None)
+    env.update(hosts=len(set(network["hosts"])), source="wrap(model, 'auto')")
+    if dist.get_backend() != "nccl":
+        env["device"] = "cpu"
+    return env
+
+
 def live_profile(
     compute: Mapping[str, Any],
     grads: Mapping[str, Sequence[torch.Tensor]],
     network: Mapping[str, Any],
     *,
+    env: Mapping[str, Any],
     model_name: str,
     world_size: int,
     codec_budget_s: float,
     calibration: Sequence[Mapping[str, Any]] = (),
 ) -> Profile:
-    """A profile of the live job (rank 0, no collectives): the codec probe runs here, on
-    the copied gradients.
+    """A profile of the live job (no collectives, no process group needed): the codec
+    probe runs here, on the copied gradients.
 
     Args:
         compute: :meth:`LiveProfiler.compute_section`.
         grads: the copied gradients per parameter, oldest first.
         network: what :func:`~autotune.probes.network.probe_network` returned.
+        env: :func:`live_environment`.
         model_name: what the profile calls the workload (the module's class).
         world_size: ranks of the job.
         codec_budget_s: seconds the codec probe may take.
         calibration: measured ``{"policy", "step_s"}`` pairs (plain DDP: policy None).
     """
     from autotune.probes.codecs import probe_codecs
-    from autotune.probes.run import environment
 
     codecs = probe_codecs(grads, world_size, budget_s=codec_budget_s)
-    env = environment(None)
-    env.update(hosts=len(set(network["hosts"])), source="wrap(model, 'auto')")
-    if dist.get_backend() != "nccl":
-        env["device"] = "cpu"
     return Profile.from_dict({
-        "version": 1, "env": env,
+        "version": 1, "env": dict(env),
         "workload": {"name": model_name, "spec": "live"},
         "network": dict(network), "compute": dict(compute), "codecs": codecs,
         "calibration": {"results": [dict(c) for c in calibration]},

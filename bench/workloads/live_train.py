@@ -3,16 +3,17 @@
 Run it under torchrun or ``autotune launch`` (it reads RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT and initialises its own process group):
 
-    autotune launch --hosts 2 --link 300mbit bench/workloads/live_train.py --model cnn --mode auto
+    autotune launch --hosts 2 --nproc-per-node 1 --link 300mbit bench/workloads/live_train.py --model cnn --mode auto
 
 ``--mode`` picks how gradients are averaged: ``ddp`` (DistributedDataParallel as is),
 ``powersgd`` (PyTorch's own PowerSGD hook, rank 1, one bucket: with two or more it
 deadlocks on gloo), ``policy`` (``autotune.wrap(model, FILE)``), ``auto``
 (``autotune.wrap(model, "auto", save=FILE)``). Models: ``cnn`` (small convolutions and a
 2 MB dense layer) and ``embed`` (a 20000 x 32 embedding bag, row-sparse gradients, and
-a small MLP). The data are synthetic and learnable: labels come from a fixed random
-teacher, so the loss falls. Rank 0 writes each step's time (the slowest rank's), the
-wall time, the final loss and whether the ranks' parameters are equal to ``--out``.
+a small MLP). The data are synthetic and learnable (cnn: each class a fixed random
+image under noise; embed: labels from a fixed random teacher), so the loss falls. Rank 0
+writes each step's time (the slowest rank's), the wall time, the final loss and whether
+the ranks' parameters are equal to ``--out``.
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def batches(model: str, rank: int, batch: int = 32):
     """An endless stream of (inputs, labels) for this rank, labelled by a fixed teacher."""
     teacher = torch.Generator().manual_seed(1234)
     gen = torch.Generator().manual_seed(100 + rank)
-    if model == "cnn":
-        w = torch.randn(3 * 32 * 32, 10, generator=teacher)
+    if model == "cnn":  # each class a fixed random image, seen through noise
+        prototypes = torch.randn(10, 3, 32, 32, generator=teacher)
         while True:
-            x = torch.randn(batch, 3, 32, 32, generator=gen)
-            yield x, (x.flatten(1) @ w).argmax(1)
+            labels = torch.randint(0, 10, (batch,), generator=gen)
+            yield 0.5 * prototypes[labels] + torch.randn(batch, 3, 32, 32, generator=gen), labels
     else:
         table = torch.randn(20000, 10, generator=teacher)
         weights = 1.0 / torch.arange(1, 20001, dtype=torch.float64) ** 1.1  # Zipf-like
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("cnn", "embed"), default="cnn")
     parser.add_argument("--mode", choices=("ddp", "powersgd", "policy", "auto"), default="ddp")
     parser.add_argument("--policy", help="policy JSON (--mode policy) or where auto saves it")
+    parser.add_argument("--log", help="auto: the controller's JSONL decision log")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", required=True, help="rank 0 writes its results here (JSON)")
@@ -103,7 +105,7 @@ def main() -> None:
         if args.mode == "policy":
             model = autotune.wrap(model, args.policy)
         else:
-            model = autotune.wrap(model, "auto", save=args.policy)
+            model = autotune.wrap(model, "auto", save=args.policy, log=args.log)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
     data = batches(args.model, rank)

@@ -1,0 +1,162 @@
+"""The auto mode's search, as plain functions of JSON-able data.
+
+:func:`auto_search` turns what rank 0 measured on the live steps into a profile, fits
+the cost model, runs the Optuna search and picks the contenders of the live trials; it
+returns everything as JSON-able data, so it runs the same in the search worker process
+(:mod:`autotune.online.worker`, the default: training keeps the GIL and the cores) and
+on a thread (the fallback when no worker can be started). :func:`trial_contenders` is
+also what a drift re-search uses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from autotune.models.simulator import WhatIf
+from autotune.online.explore import Contender
+from autotune.policies import Policy
+
+if TYPE_CHECKING:
+    import torch
+
+    from autotune.models.cost_model import CostModel
+    from autotune.probes.profile import Profile
+    from autotune.search.tuner import TuneResult
+
+__all__ = ["PRUNE_ABOVE", "auto_search", "contender_from_dict", "contender_to_dict",
+           "trial_contenders"]
+
+# contenders predicted slower than the best prediction by more than this are not tried
+# (the model's errors, 16-21% in the ratio to DDP, stay inside it); plain DDP and the
+# policy in force always are
+PRUNE_ABOVE = 1.3
+
+
+def trial_contenders(
+    profile: Profile, model: CostModel, result: TuneResult, current: Policy, *,
+    pinned: Mapping[str, Any], max_error: float, rebucket: bool, candidates: int,
+    what_if: WhatIf | None = None,
+) -> tuple[list[Contender], str]:
+    """The contenders of live trials, simplest first: plain DDP, the policy in force,
+    the presets' equivalents within the error budget, the tuned candidates; those
+    predicted far slower than the fastest prediction are left out. Returns them and
+    the name of the one that is the policy in force.
+
+    Args:
+        rebucket: bucket-size changes can be applied (else every contender keeps the
+            current cap).
+    """
+    from autotune.errors import ProfileError
+    from autotune.search.space import ErrorModel
+    from autotune.search.verify import candidates as spread_candidates
+
+    what_if = what_if or WhatIf()
+    errors = ErrorModel(profile)
+    pinned = {k: dict(v) for k, v in pinned.items()}
+
+    def overlay(policy: Policy) -> Policy:
+        data = {k: v for k, v in policy.to_dict().items() if k != "meta"}
+        if pinned:
+            data["layers"] = {**data.get("layers", {}), **pinned}
+        return Policy.from_dict(data, source="trial policy")
+
+    def error(policy: Policy) -> float | None:
+        try:
+            return errors.of(policy)
+        except ProfileError:  # a compressor the codec probe did not reach
+            return None
+
+    def contender(name: str, policy: Policy, kind: str) -> Contender | None:
+        e = error(policy)
+        if e is None or (kind != "ddp" and e > max_error):
+            return None
+        return Contender(name, policy, kind, e, model.predict(policy, what_if).step_s)
+
+    ddp = overlay(Policy(bucket_cap_mb=Policy().bucket_cap_mb if rebucket
+                         else current.bucket_cap_mb))
+    pool = [contender("ddp", ddp, "ddp"), contender("current", overlay(current), "current")]
+    for b in result.baselines:
+        policy = overlay(b.policy)
+        if not rebucket and policy.bucket_cap_mb != current.bucket_cap_mb:
+            continue
+        pool.append(contender(b.name, policy, "baseline"))
+    for tuned in spread_candidates(result, candidates):
+        pool.append(contender(tuned.name, tuned.policy, "candidate"))
+    chosen: list[Contender] = []
+    seen: dict[str, str] = {}  # policy id -> the (simplest) contender's name
+    best = min([model.predict(current, what_if).step_s] + [
+        e.predicted_s for e in pool if e is not None and e.predicted_s is not None])
+    for entry in pool:
+        if entry is None or entry.policy.id in seen:
+            continue
+        if entry.kind not in ("ddp", "current") and entry.predicted_s is not None and (
+                entry.predicted_s > PRUNE_ABOVE * best):
+            continue
+        seen[entry.policy.id] = entry.name
+        chosen.append(entry)
+    current_name = seen.get(overlay(current).id)
+    if current_name is None:  # over the error budget: still what runs between trials
+        chosen.insert(1, Contender("current", overlay(current), "current", 0.0, None))
+        current_name = "current"
+    return chosen, current_name
+
+
+def contender_to_dict(c: Contender) -> dict[str, Any]:
+    return {"name": c.name, "policy": c.policy.to_dict(), "kind": c.kind, "error": c.error,
+            "predicted_s": c.predicted_s}
+
+
+def contender_from_dict(data: Mapping[str, Any]) -> Contender:
+    return Contender(str(data["name"]), Policy.from_dict(data["policy"], source="trial policy"),
+                     str(data["kind"]), float(data["error"]),
+                     None if data["predicted_s"] is None else float(data["predicted_s"]))
+
+
+def auto_search(
+    compute: Mapping[str, Any], grads: Mapping[str, Sequence[torch.Tensor]],
+    network: Mapping[str, Any], current: Policy, *, env: Mapping[str, Any], model_name: str,
+    world_size: int,
+    reference_s: float, budget_s: float, codec_share: float, trials: int, max_error: float,
+    pinned: Mapping[str, Any], rebucket: bool, candidates: int,
+) -> dict[str, Any]:
+    """From the live measurements to the trials' contenders (no collectives).
+
+    Args:
+        compute, grads, network: what rank 0 measured (see :mod:`autotune.online.live`).
+        env: :func:`~autotune.online.live.live_environment`.
+        current: the policy in force (plain DDP at the start).
+        reference_s: the DDP start's median step, the profile's calibration.
+        budget_s: seconds for the codec probe and the search together; ``codec_share``
+            of it for the codec probe.
+
+    Returns:
+        ``profile`` (its dict), ``model`` (the fitted cost model's dict: fitting it
+        again where training runs would stall a step for seconds), ``top`` (the
+        search's best policies, as dicts),
+        ``contenders`` (:func:`contender_to_dict` each), ``current`` (the name of the
+        policy in force among them), ``codec_probe_s``, ``search_s``, ``trials``.
+    """
+    from autotune.models.cost_model import CostModel
+    from autotune.online.live import live_profile
+    from autotune.search.tuner import tune
+
+    started = time.perf_counter()
+    profile = live_profile(compute, grads, network, env=env, model_name=model_name,
+                           world_size=world_size, codec_budget_s=codec_share * budget_s,
+                           calibration=[{"policy": None, "step_s": reference_s}])
+    probed = time.perf_counter()
+    model = CostModel.fit(profile)
+    caps = None if rebucket else (current.bucket_cap_mb,)
+    result = tune(profile, max_error=max_error, trials=trials, model=model,
+                  pinned=dict(pinned), caps=caps, seeds=[current],
+                  timeout=max(budget_s - (probed - started), 0.2 * budget_s),
+                  study_name="auto", top_k=candidates + 2)
+    contenders, current_name = trial_contenders(
+        profile, model, result, current, pinned=pinned, max_error=max_error,
+        rebucket=rebucket, candidates=candidates)
+    return {"profile": profile.to_dict(), "model": model.to_dict(),
+            "top": [c.policy.to_dict() for c in result.top],
+            "contenders": [contender_to_dict(c) for c in contenders], "current": current_name,
+            "codec_probe_s": probed - started, "search_s": time.perf_counter() - probed,
+            "trials": result.trials}
