@@ -238,6 +238,7 @@ def _autotune() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "autotune"]
 
 
+@pytest.mark.slow
 def test_a_real_autotune_process_prints_one_line_and_no_traceback(d: Path) -> None:
     for argv, expect in [
         (["tune", str(d / "truncated_profile.json"), "--out", str(d / "r1.json")], "malformed JSON at line"),

@@ -194,6 +194,7 @@ def _average_sent_error(comp: compressors.Compressor, steps: int) -> float:
     return _rel_err([s / steps for s in sent], grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,params", [("powersgd", {"rank": 4}), ("topk", {"ratio": 0.1}), ("sign", {})])
 def test_error_feedback_recovers_the_signal_over_steps(name: str, params: dict) -> None:
     """With error feedback, what is sent over many steps adds up to the gradients sent
@@ -263,3 +264,16 @@ def test_spec_canonical_fills_defaults_and_round_trips() -> None:
 def test_registry_rejects_duplicate_names() -> None:
     with pytest.raises(ValueError, match="already registered"):
         compressors.register(type(compressors.create("none")))
+
+
+def test_a_declared_name_is_taken_only_by_its_own_module() -> None:
+    # the built-in names are declared before their modules load (validating a policy
+    # needs no torch); a class from elsewhere cannot take one of them meanwhile
+    impostor = type("Impostor", (compressors.Compressor,), {"name": "rowsparse", "__module__": "elsewhere"})
+    with pytest.raises(ValueError, match="already registered"):
+        compressors.register(impostor)
+
+
+@pytest.mark.parametrize("name", compressors.names())
+def test_a_class_uses_its_declared_parameter_table(name: str) -> None:
+    assert dict(compressors.REGISTRY.get(name).params) == dict(compressors.REGISTRY.params(name))

@@ -115,6 +115,7 @@ def test_int8_rounds_each_element_to_a_neighbouring_level(n: int, block: int) ->
     assert sum(comm.sent.values()) == comp.wire_bytes((n,), 1)
 
 
+@pytest.mark.slow
 def test_int8_large_tensor_is_unbiased_and_reproducible() -> None:
     n = SIZES[1]
     g = _grad(n) * torch.rand(n, generator=torch.Generator().manual_seed(1))

@@ -389,6 +389,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BUILT_INS))
 def test_every_cell_is_measured_within_the_profiles_budget(name: str, one_thread: None) -> None:
     # one process measures the whole grid here; `autotune profile` shares it among ranks

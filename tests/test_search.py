@@ -129,6 +129,7 @@ def test_a_study_refuses_another_profile(tmp_path: Path) -> None:
         tune(synthetic_profile("transformer"), trials=3, storage=storage, study_name="s")
 
 
+@pytest.mark.slow
 def test_a_model_with_more_than_300_tensors_is_tuned_within_the_budget() -> None:
     model = transformer(layers=26).model
     assert len(list(model.parameters())) > 300

@@ -120,6 +120,7 @@ def test_an_exact_set_up_within_the_margin_beats_a_faster_lossy_one() -> None:
     assert _exact_within({"fp16": 0.5, "topk": 0.1}, info, "topk", 0.5) is None  # none exact
 
 
+@pytest.mark.multirank  # its fixture profiles on 2 real ranks, as the other users of it do
 def test_a_bad_exact_margin_is_one_line(mlp_profile: Path, tmp_path: Path, capsys) -> None:
     assert main(["tune", str(mlp_profile), "--out", str(tmp_path / "p.json"), "--exact-margin", "1.5"]) == 2
     err = capsys.readouterr().err

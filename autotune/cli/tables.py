@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autotune.probes.profile import Profile
+from autotune.probes.profile import ROW_SPARSE_BELOW, Profile
 
 __all__ = ["codec_coverage", "print_profile"]
 
@@ -175,8 +175,6 @@ def _percent(fraction: float) -> str:
 def _structure(console: Console, profile: Profile, top: int) -> None:
     """The row-sparse gradients the codec probe found (profiles before it measured
     them: nothing)."""
-    from autotune.probes.codecs import ROW_SPARSE_BELOW
-
     structure = profile.codecs.get("structure")
     if not structure:
         return

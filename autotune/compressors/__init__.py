@@ -4,29 +4,30 @@
 >>> c = compressors.create("powersgd", rank=4)
 >>> c.wire_bytes((512, 512), world_size=8)
 16384
+
+Importing this package loads no torch: names and parameter tables (enough to validate a
+policy) are in :mod:`~autotune.compressors.registry`; a method's module, and the
+torch-side names below, load on first use.
 """
 
 from __future__ import annotations
 
-# Importing a method's module registers it; the order here is the order users see.
-from autotune.compressors import none  # noqa: F401  isort: skip
-from autotune.compressors import cast  # noqa: F401  isort: skip
-from autotune.compressors import powersgd  # noqa: F401  isort: skip
-from autotune.compressors import topk  # noqa: F401  isort: skip
-from autotune.compressors import int8  # noqa: F401  isort: skip
-from autotune.compressors import sign  # noqa: F401  isort: skip
-from autotune.compressors import rowsparse  # noqa: F401  isort: skip
-from autotune.compressors.base import (
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from autotune.compressors.registry import (
+    PLAIN,
     REGISTRY,
-    Compressor,
     CompressorSpec,
     Param,
     create,
     names,
     register,
 )
-from autotune.compressors.comm import Comm, GroupComm, LocalComm
-from autotune.compressors.none import PLAIN
+
+if TYPE_CHECKING:
+    from autotune.compressors.base import Compressor
+    from autotune.compressors.comm import Comm, GroupComm, LocalComm
 
 __all__ = [
     "Compressor",
@@ -41,3 +42,23 @@ __all__ = [
     "names",
     "register",
 ]
+
+# the names that import torch, and the module each one comes from
+_LAZY = {
+    "Compressor": "autotune.compressors.base",
+    "Comm": "autotune.compressors.comm",
+    "GroupComm": "autotune.compressors.comm",
+    "LocalComm": "autotune.compressors.comm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,4 +1,5 @@
-"""The compressor contract and the registry every compressor is created through.
+"""The compressor contract (the registry and the parameter tables, which need no torch,
+are in :mod:`autotune.compressors.registry`; this module re-exports them).
 
 A compressor reduces a *group* of gradient tensors (those of one DDP bucket that share
 this compressor) across ranks: it encodes them, runs its collectives on a
@@ -12,16 +13,23 @@ state) stays on the rank, in the compressor, and is saved with ``state_dict()``.
 
 from __future__ import annotations
 
-import math
-import reprlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
 
 from autotune.compressors.comm import Comm
 from autotune.compressors.memory import ErrorFeedback
+from autotune.compressors.registry import (
+    ERROR_FEEDBACK,
+    REGISTRY,
+    CompressorSpec,
+    Param,
+    Registry,
+    create,
+    names,
+    register,
+)
 from autotune.errors import CompressorError
 
 __all__ = [
@@ -41,112 +49,6 @@ __all__ = [
 
 Collective = Literal["allreduce", "allgather"]
 Shape = Sequence[int]
-
-
-@dataclass(frozen=True)
-class Param:
-    """One tunable parameter of a compressor, with its range and default."""
-
-    kind: type  # int, float, bool or str
-    default: Any
-    low: float | None = None  # smallest allowed value (None: unbounded)
-    high: float | None = None  # largest allowed value (None: unbounded)
-    low_open: bool = False  # True: ``low`` itself is not allowed
-    doc: str = ""
-    choices: tuple[str, ...] = ()  # the allowed values of a str parameter
-
-    def expected(self) -> str:
-        """Describe the allowed values, e.g. ``a float in the range (0, 1]``."""
-        if self.kind is str:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        kind = {int: "an int", float: "a float", bool: "a bool"}[self.kind]
-        if self.kind is bool:
-            return kind
-        if self.low is not None and self.high is not None:
-            left = "(" if self.low_open else "["
-            return f"{kind} in the range {left}{self.low:g}, {self.high:g}]"
-        if self.low is not None:
-            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
-        return kind
-
-    def check(self, compressor: str, name: str, value: Any) -> Any:
-        """Return ``value`` converted to this parameter's type, or raise."""
-        if self.kind is str:
-            if not (isinstance(value, str) and value in self.choices):
-                raise CompressorError(
-                    f"The {name!r} parameter of {compressor} must be {self.expected()}. "
-                    f"Got {reprlib.repr(value)} instead."
-                )
-            return value
-        ok_type = (
-            isinstance(value, bool)
-            if self.kind is bool
-            else isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (self.kind is float or isinstance(value, int) or value.is_integer())
-        )
-        ok = ok_type
-        if ok and self.kind is not bool:
-            try:
-                v = float(value)
-            except OverflowError:  # an int beyond any float is beyond any range too
-                v = math.inf
-            ok = math.isfinite(v)
-            if ok and self.low is not None:
-                ok = v > self.low if self.low_open else v >= self.low
-            if ok and self.high is not None:
-                ok = v <= self.high
-        if not ok:
-            raise CompressorError(
-                f"The {name!r} parameter of {compressor} must be {self.expected()}. "
-                f"Got {reprlib.repr(value)} instead."
-            )
-        return self.kind(value)
-
-
-@dataclass(frozen=True)
-class CompressorSpec:
-    """A compressor name and the parameters the user gave; hashable, JSON-friendly."""
-
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def of(cls, name: str, **params: Any) -> CompressorSpec:
-        return cls(name, tuple(sorted(params.items())))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CompressorSpec:
-        """``{"compressor": "topk", "ratio": 0.01}`` -> spec (validated)."""
-        if not isinstance(data, Mapping):
-            raise CompressorError(f"a compressor spec must be an object, got {data!r}")
-        if "compressor" not in data:
-            raise CompressorError(f"a compressor spec needs a 'compressor' key, got {dict(data)!r}")
-        params = {k: v for k, v in data.items() if k != "compressor"}
-        # not cls.of(name, **params): a parameter called "name" would collide
-        spec = cls(data["compressor"], tuple(sorted(params.items())))
-        REGISTRY.validate(spec.name, spec.kwargs)
-        return spec
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.params)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"compressor": self.name, **self.kwargs}
-
-    def canonical(self) -> CompressorSpec:
-        """The same spec with every default filled in: equal specs compress alike."""
-        return CompressorSpec.of(self.name, **REGISTRY.validate(self.name, self.kwargs))
-
-    def label(self) -> str:
-        """Short human name naming only non-default parameters, e.g. ``powersgd(rank=4)``;
-        equal for specs that compress alike."""
-        defaults = {k: p.default for k, p in REGISTRY.get(self.name).params.items()}
-        shown = [(k, v) for k, v in self.params if defaults.get(k, object()) != v]
-        if not shown:
-            return self.name
-        return f"{self.name}(" + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                           for k, v in shown) + ")"
 
 
 class Compressor(ABC):
@@ -334,10 +236,6 @@ class AllreduceCompressor(Compressor):
         return self.spec  # what happens to a row does not depend on the others
 
 
-# The switch every error-feedback method has, shared so that it reads the same on each.
-ERROR_FEEDBACK = Param(bool, True, doc="add back what the last step dropped")
-
-
 class ErrorFeedbackCompressor(Compressor):
     """A method that adds back, next step, what its compression dropped this step
     (``sign``, ``topk``, ``powersgd``).
@@ -395,68 +293,6 @@ class ErrorFeedbackCompressor(Compressor):
         if unknown:
             raise CompressorError(f"unexpected keys in {self.name} state: {sorted(unknown)}")
         self.memory.load_state_dict(state.get("memory", {}))
-
-
-class Registry:
-    """Compressors by name. Rejects duplicates; unknown names get the known ones listed."""
-
-    def __init__(self) -> None:
-        self._classes: dict[str, type[Compressor]] = {}
-
-    def register(self, cls: type[Compressor]) -> type[Compressor]:
-        if cls.name in self._classes:
-            raise ValueError(f"a compressor named {cls.name!r} is already registered")
-        self._classes[cls.name] = cls
-        return cls
-
-    def names(self) -> list[str]:
-        return list(self._classes)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._classes)
-
-    def get(self, name: str) -> type[Compressor]:
-        if not isinstance(name, str) or name not in self._classes:
-            raise CompressorError(
-                f"unknown compressor {name!r}; registered: {', '.join(self._classes)}"
-            )
-        return self._classes[name]
-
-    def validate(self, name: str, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Check ``params`` for compressor ``name``; return them with defaults filled."""
-        cls = self.get(name)
-        unknown = sorted(set(params) - set(cls.params))
-        if unknown:
-            allowed = ", ".join(cls.params) or "none"
-            raise CompressorError(
-                f"compressor {name!r} has no parameter {unknown[0]!r}; its parameters are: "
-                f"{allowed}"
-            )
-        out = {k: p.default for k, p in cls.params.items()}
-        for key, value in params.items():
-            out[key] = cls.params[key].check(name, key, value)
-        return out
-
-    def create(self, name: str, **params: Any) -> Compressor:
-        return self.get(name)(**params)
-
-
-REGISTRY = Registry()
-register = REGISTRY.register
-
-
-def create(name: str, **params: Any) -> Compressor:
-    """Create a registered compressor, e.g. ``create("powersgd", rank=4)``.
-
-    Raises:
-        CompressorError: unknown name or bad parameter; the message lists what is allowed.
-    """
-    return REGISTRY.create(name, **params)
-
-
-def names() -> list[str]:
-    """Names of the registered compressors, in registration order."""
-    return REGISTRY.names()
 
 
 def numel(shape: Shape) -> int:

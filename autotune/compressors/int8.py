@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from autotune.compressors.base import Collective, Compressor, Param, Shape, numel, register
+from autotune.compressors.base import REGISTRY, Collective, Compressor, Shape, numel, register
 from autotune.compressors.comm import Comm
 from autotune.errors import CompressorError
 
@@ -46,10 +46,7 @@ class Int8(Compressor):
 
     name = "int8"
     collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
-    params = {
-        "block": Param(int, 1024, low=8, high=2**24, doc="elements sharing one scale"),
-        "seed": Param(int, 0, low=0, high=2**31 - 1, doc="seed of the rounding noise (offset by rank)"),
-    }
+    params = REGISTRY.params(name)  # block, seed
     size_param = "block"  # one 4-byte scale per block
 
     def __init__(self, **kwargs: Any) -> None:

@@ -7,11 +7,11 @@ import torch
 from autotune.compressors.base import (
     AllreduceCompressor,
     Collective,
-    CompressorSpec,
     Shape,
     numel,
     register,
 )
+from autotune.compressors.registry import PLAIN  # re-exported: where it was defined before
 
 __all__ = ["NoCompression", "PLAIN"]
 
@@ -34,8 +34,3 @@ class NoCompression(AllreduceCompressor):
         self, shape: Shape, world_size: int, density: float | None = None
     ) -> dict[Collective, int]:
         return {"allreduce": numel(shape) * 4}
-
-
-# DDP's own exact allreduce: a policy's default, what the search and the report call
-# uncompressed (``PLAIN.name`` is also its label)
-PLAIN = CompressorSpec(NoCompression.name)

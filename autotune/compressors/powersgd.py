@@ -20,11 +20,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from autotune.compressors.base import (
-    ERROR_FEEDBACK,
+    REGISTRY,
     Collective,
     CompressorSpec,
     ErrorFeedbackCompressor,
-    Param,
     Shape,
     numel,
     register,
@@ -44,16 +43,7 @@ class PowerSGD(ErrorFeedbackCompressor):
 
     name = "powersgd"
     collectives: tuple[Collective, ...] = ("allreduce", "allreduce", "allreduce")
-    params = {
-        "rank": Param(int, 1, low=1, high=1024, doc="rank of the approximation"),
-        "error_feedback": ERROR_FEEDBACK,
-        "warm_start": Param(bool, True, doc="reuse last step's Q instead of a random one"),
-        "min_compression_rate": Param(
-            float, 2.0, low=1.0, high=1e6,
-            doc="compress a matrix only if this many times fewer values travel",
-        ),
-        "seed": Param(int, 0, low=0, high=2**31 - 1, doc="seed of the initial Q (same on all ranks)"),
-    }
+    params = REGISTRY.params(name)  # rank, error_feedback, warm_start, min_compression_rate, seed
     needs_matrix = True
     size_param = "rank"
     state_keys = ("memory", "q")

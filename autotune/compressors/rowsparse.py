@@ -30,10 +30,10 @@ from typing import Any, Sequence
 import torch
 
 from autotune.compressors.base import (
+    REGISTRY,
     Collective,
     Compressor,
     CompressorSpec,
-    Param,
     Shape,
     flatten,
     numel,
@@ -92,10 +92,7 @@ class RowSparse(Compressor):
     name = "rowsparse"
     # counts, then the tensors that go dense, then the rows of those that go sparse
     collectives: tuple[Collective, ...] = ("allgather", "allreduce", "allgather")
-    params = {
-        "values": Param(str, "fp32", choices=tuple(_DTYPES),
-                        doc="precision of the rows sent: fp32 is exact"),
-    }
+    params = REGISTRY.params(name)  # values: the keys of _DTYPES
     guarded = False  # stateless; a NaN row is sent like any other, a joined rank sends none
     density_dependent = True  # bytes and work follow the non-zero rows
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from autotune.compressors.base import (
-    ERROR_FEEDBACK,
+    REGISTRY,
     Collective,
     ErrorFeedbackCompressor,
     Shape,
@@ -80,7 +80,7 @@ class Sign(ErrorFeedbackCompressor):
 
     name = "sign"
     collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
-    params = {"error_feedback": ERROR_FEEDBACK}
+    params = REGISTRY.params(name)  # error_feedback
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

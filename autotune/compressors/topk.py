@@ -46,11 +46,10 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from autotune.compressors.base import (
-    ERROR_FEEDBACK,
+    REGISTRY,
     Collective,
     CompressorSpec,
     ErrorFeedbackCompressor,
-    Param,
     Shape,
     numel,
     register,
@@ -74,10 +73,7 @@ class TopK(ErrorFeedbackCompressor):
 
     name = "topk"
     collectives: ClassVar[tuple[Collective, ...]] = ("allgather",)
-    params = {
-        "ratio": Param(float, 0.01, low=0.0, high=1.0, low_open=True, doc="fraction of elements sent"),
-        "error_feedback": ERROR_FEEDBACK,
-    }
+    params = REGISTRY.params(name)  # ratio, error_feedback
     size_param = "ratio"
 
     def __init__(self, **kwargs: Any) -> None:

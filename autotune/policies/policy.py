@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
-from autotune.compressors.base import REGISTRY, CompressorSpec
+from autotune.compressors.registry import REGISTRY, CompressorSpec
 from autotune.errors import CompressorError, PolicyError
 from autotune.jsonio import freeze, json_type, read_json, thaw, write_atomic
 

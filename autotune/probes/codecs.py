@@ -85,6 +85,7 @@ from autotune.compressors import CompressorSpec, LocalComm
 from autotune.compressors.comm import all_gather_flat
 from autotune.errors import ProfileError
 from autotune.presets import DEFAULT_PRESETS
+from autotune.probes.profile import ROW_SPARSE_BELOW  # there so that `autotune show` needs no torch
 
 __all__ = [
     "BASELINE_SPECS",
@@ -146,9 +147,6 @@ REPRESENTATIVE = 0.1
 # filled up to this share: inside the range where rowsparse is an option, far enough from
 # the sparse tables' own shares (0.1-2%) to tell work per row sent from the table's scan.
 DENSER_AT = 0.25
-# A parameter whose busiest rank leaves more than half of its gradient's rows zero is
-# row-sparse: the search gives it rowsparse as an option, `autotune show` lists it.
-ROW_SPARSE_BELOW = 0.5
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,14 @@ from autotune.errors import AutotuneError, ProfileError
 from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_atomic
 from autotune.links import parse_link
 
-__all__ = ["PROFILE_VERSION", "Profile", "load_profile"]
+__all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Profile", "load_profile"]
 
 PROFILE_VERSION = 1
+# A parameter whose busiest rank leaves more than half of its gradient's rows zero is
+# row-sparse: the search gives it rowsparse as an option, `autotune show` lists it. The
+# codec probe measures it (codecs.structure); it lives here, with the profile, so that
+# showing a profile needs no torch.
+ROW_SPARSE_BELOW = 0.5
 _SECTIONS = ("env", "workload", "network", "compute", "codecs", "calibration")
 
 
@@ -408,7 +413,7 @@ class _Validator:
         self.spec_value(self._get(parent, path), path)
 
     def spec_value(self, value: Any, path: str) -> None:
-        from autotune.compressors.base import CompressorSpec
+        from autotune.compressors.registry import CompressorSpec
 
         try:
             CompressorSpec.from_dict(value)
