@@ -171,11 +171,14 @@ class OnlineConfig:
 AUTO_KNOBS = frozenset({"explore_steps", "trial_steps", "candidates", "profile_steps",
                         "network_budget_s", "save"})
 """The knobs that only ``wrap(model, "auto")`` reads."""
-# A step slower than the DDP start's median by more than this counts as degraded:
-# plain DDP's own noise here (CPU speed drifts) stays out of the count.
+# A step of an exploration slower than the DDP start's median by more than this counts
+# as degraded (plain DDP's own noise here, CPU speed drifting, stays out of the count);
+# a trial block of plain DDP itself never does: it is the job as it runs without us.
 DEGRADED_MARGIN = 0.1
 FIRST_TIMED_STEP = 2  # steps 0 and 1 run before and during DDP's bucket rebuild
 CODEC_SHARE = 0.4  # of budget_s: the auto mode's codec probe; the search gets the rest
+# the DDP start within this of its compute floor: communication is hidden, no search
+HIDDEN_MARGIN = 0.05
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
 
@@ -187,13 +190,6 @@ class _Window:
     step_s: list[float] = field(default_factory=list)
     records: list[BucketRecord] = field(default_factory=list)
     probes: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
-
-
-def _preload() -> None:
-    with _short_gil_slices():
-        import autotune.models.cost_model  # noqa: F401
-        import autotune.probes.profile  # noqa: F401
-        import autotune.search.space  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -293,6 +289,12 @@ class Controller:
                 self._worker = SearchWorker()
             except OSError as exc:
                 logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
+        if auto:
+            # what taking the search's reply needs (the cost model: scikit-learn, seconds
+            # to import) is imported now, before training, not between two of its steps;
+            # on every rank, so that they all start training at the same time
+            import autotune.models.cost_model  # noqa: F401
+            import autotune.search.space  # noqa: F401
         if auto and config.save is not None and self.rank == 0:
             check_writable(config.save, AutotuneError, "the policy to save")
         if self.rank == 0:
@@ -591,7 +593,7 @@ class Controller:
         with self._lock:
             window, self._window = self._window, _Window()
         last = window.step_s[-1] if window.step_s else None  # the time of step - 1
-        if self._explore_from is not None and last is not None:
+        if self._explore_from is not None and last is not None and not self._ran_plain_ddp():
             self._explore_times.append(last)
         if self.phase == "reference":
             if last is not None and self.step - 1 >= FIRST_TIMED_STEP:
@@ -607,7 +609,9 @@ class Controller:
             self.phase = "network"
             return b"", 0, _NETWORK, 1  # every rank probes the network after this header
         if self.phase == "network":
-            self._start_auto_search()
+            hidden = self._start_auto_search()
+            if hidden is not None:  # nothing to gain: plain DDP stays
+                return self._conclude(None, None, why=hidden)
             self.phase = "search"
             return b"", 0, 0, 1
         if self.phase == "search":
@@ -629,6 +633,15 @@ class Controller:
             return self._conclude(winner, decision)
         return b"", 0, 0, 1
 
+    def _ran_plain_ddp(self) -> bool:
+        """Step ``step - 1`` was a trial block of plain DDP: the job as it would run
+        without autotune (nothing of ours ran beside it), so never a degraded step."""
+        exploration = self._exploration
+        if self.phase != "trial" or exploration is None:
+            return False
+        name = exploration.running(self.step - 1)
+        return name is not None and exploration.contenders[name].kind == "ddp"
+
     def _announce(self, policy: Policy, info: dict[str, Any], lead: int) -> tuple[bytes, int]:
         self.revision += 1
         switch = self.step + lead
@@ -637,12 +650,24 @@ class Controller:
                    "new_policy": policy.id, **info})
         return policy.to_json(indent=None).encode(), switch
 
-    def _start_auto_search(self) -> None:
+    def _start_auto_search(self) -> str | None:
+        """Hand the measurements to the search; or, when communication costs the DDP
+        start almost nothing, do not search and return why (no policy can beat the
+        compute floor: the gain is bounded by the exposed communication)."""
         assert self._profiler is not None and self._network is not None
         compute = self._profiler.compute_section()
         grads = self._profiler.grads
         self._profiler.close()
         self._profiler = None
+        floor = statistics.median(compute["step_s"])
+        reference = statistics.median(self._ddp_steps)
+        if reference <= (1 + HIDDEN_MARGIN) * floor:
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
+            return (f"plain DDP's step ({reference * 1e3:.1f} ms) is within "
+                    f"{HIDDEN_MARGIN:.0%} of its compute alone ({floor * 1e3:.1f} ms): "
+                    f"communication is hidden, nothing to tune")
         request = {
             "compute": compute, "network": self._network, "env": live_environment(self._network),
             "current": self.state.policy.to_dict(), "model_name": self._model_name,
@@ -654,10 +679,7 @@ class Controller:
         if self._worker is not None:
             try:
                 self._worker.submit(request, grads, timeout_s=SEARCH_TIMEOUT_S + 10 * self.config.budget_s)
-                # what taking the reply needs (the cost model: scikit-learn), imported
-                # while the worker searches, not in one go between two steps
-                threading.Thread(target=_preload, name="autotune-preload", daemon=True).start()
-                return
+                return None
             except OSError as exc:  # it died before the request: search here instead
                 logger.warning("auto: the search worker failed (%s); searching on a thread", exc)
                 self._worker.close()
@@ -679,6 +701,7 @@ class Controller:
 
         self._search = threading.Thread(target=run, name="autotune-auto-search", daemon=True)
         self._search.start()
+        return None
 
     def _poll_search(self) -> dict[str, Any] | None:
         """The auto search's reply once it is there (None: still searching)."""
@@ -721,9 +744,11 @@ class Controller:
         return Exploration(contenders, current, trial_steps=self.config.trial_steps,
                            budget_steps=self.config.explore_steps)
 
-    def _conclude(self, winner: Contender | None, decision: Any) -> tuple[bytes, int, int, int]:
-        """Rank 0: end an exploration on ``winner`` (None: keep the policy in force):
-        announce it, save it, log the summary; drift watching starts again."""
+    def _conclude(self, winner: Contender | None, decision: Any,
+                  why: str | None = None) -> tuple[bytes, int, int, int]:
+        """Rank 0: end an exploration on ``winner`` (None: keep the policy in force,
+        for the reason ``why``): announce it, save it, log the summary; drift watching
+        starts again."""
         exploration, self._exploration = self._exploration, None
         reference = statistics.median(self._ddp_steps) if self._ddp_steps else None
         current = self.state.policy
@@ -744,6 +769,8 @@ class Controller:
             "policy": winner.name if winner is not None else "current",
             "ddp_start_step_s": base,
         }
+        if why is not None:
+            summary["why"] = why
         # over every exploration of the run (a drift adds one)
         for key in ("explore_steps", "degraded_steps"):
             self._totals[key] += summary[key]
@@ -763,6 +790,10 @@ class Controller:
                 verification={"winner": decision.winner, "emitted": winner.name,
                               "why": decision.reason, "live": True})
             self._learn(exploration, decision)
+        elif why is not None:
+            policy = policy.with_meta(tool="autotune.wrap(model, 'auto')", chosen="current",
+                                      error=0.0, max_error=self._max_error(), auto=summary,
+                                      verification={"why": why, "live": True})
         payload, switch = b"", 0
         if policy.id != current.id:
             payload, switch = self._announce(policy, {"reason": "settled"}, lead=1)

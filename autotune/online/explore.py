@@ -120,6 +120,11 @@ class Exploration:
         self._last = name
         return self.contenders[name] if settle else None
 
+    def running(self, step: int) -> str | None:
+        """The contender planned for ``step`` (None: not a trial step, or recorded)."""
+        planned = self._plan.get(step)
+        return planned[0] if planned is not None else None
+
     def _maybe_abort(self, name: str, seconds: float, step: int) -> None:
         """One timed step of a contender far beyond the incumbent: stop measuring it."""
         base = self.times[self.incumbent]
