@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,12 +53,20 @@ def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -
                "--steps", str(steps), "--out", str(out)]
     if mode in ("auto", "static"):
         command += ["--policy", str(policy)]
-    started = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{model} {mode} {link} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    failures = []
+    for _ in range(2):  # a crashed run is reported in the results and run once more
+        started = time.perf_counter()
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stacks
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+        if proc.returncode == 0:
+            break
+        failures.append({"status": proc.returncode, "stderr": proc.stderr[-6000:]})
+        print(f"{model} {mode} {link} failed ({proc.returncode}):\n{proc.stderr[-3000:]}",
+              file=sys.stderr, flush=True)
+    else:
+        raise SystemExit(f"{model} {mode} {link} failed twice")
     result = json.loads(out.read_text())
-    result.update(link=link, launch_s=time.perf_counter() - started)
+    result.update(link=link, launch_s=time.perf_counter() - started, failures=failures)
     return result
 
 
@@ -66,6 +75,7 @@ def row(r: dict[str, Any], ddp_median: float | None) -> dict[str, Any]:
     out = {"model": r["model"], "link": r["link"], "mode": r["mode_name"], "round": r["round"],
            "median_last40_s": statistics.median(steps[-TAIL:]), "wall_s": r["wall_s"],
            "final_loss": r["final_loss"], "params_equal": r["params_equal"],
+           "failed_runs": r.get("failures", []),
            "degraded_vs_ddp_run": (sum(t > 1.1 * ddp_median for t in steps[2:])
                                    if ddp_median else None)}
     if r.get("auto"):
