@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autotune
 from autotune.errors import AutotuneError
-from autotune.online import explore
+from autotune.online import controller, explore
 from autotune.policies import load_policy
 from autotune.workloads import resolve_workload
 
@@ -67,7 +67,9 @@ def _train_until_settled(ddp: Any, work: Any, opt: torch.optim.Optimizer, others
 
 def _force_winner(prefer: str) -> None:
     """Make the trials' decision deterministic: the contender called ``prefer`` (else
-    the last measured one) wins, whatever was measured."""
+    the last measured one) wins, whatever was measured; and explore even when plain
+    DDP's step measures within the hidden-communication margin of its compute."""
+    controller.HIDDEN_MARGIN = -1.0
 
     def decide(self: explore.Exploration) -> Any:
         from autotune.trials import Decision
@@ -118,6 +120,18 @@ def rank_exact(save: str) -> dict[str, Any]:
     diff = max(float((a - b).abs().max()) for a, b in zip(work.model.parameters(), reference.parameters()))
     return {"diff": diff, "caps": caps, "digest": _digest(work.model),
             "compressors": sorted({s.name for s in ddp.policy.compressors()})}
+
+
+def rank_hidden(save: str) -> dict[str, Any]:
+    """A margin no step can miss: auto must settle on plain DDP without searching."""
+    controller.HIDDEN_MARGIN = 100.0
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, "auto", save=save, **FAST)
+    opt = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    _train_until_settled(ddp, work, opt)
+    return {"events": [e["event"] for e in ddp.controller.events],
+            "summary": ddp.controller.summary, "policy_id": ddp.policy.id,
+            "worker_gone": ddp.controller._worker is None}
 
 
 def rank_rebucket(steps: int = 12) -> dict[str, Any]:
@@ -199,6 +213,15 @@ def test_bucket_changes_under_auto_train_exactly_as_plain_ddp(run_ranks, tmp_pat
     assert 1.0 in a["caps"] and len(a["caps"]) >= 2  # buckets rebuilt at least twice
     assert a["digest"] == b["digest"]
     assert a["diff"] <= 1e-6 and b["diff"] <= 1e-6  # DDP's result up to summation order
+
+
+def test_hidden_communication_settles_on_plain_ddp_without_a_search(run_ranks, tmp_path: Path) -> None:
+    save = tmp_path / "p.json"
+    a, _ = run_ranks("test_auto:rank_hidden", save=str(save), timeout=300)
+    assert "searched" not in a["events"] and "switch" not in a["events"]
+    assert "communication is hidden" in a["summary"]["why"] and a["worker_gone"]
+    saved = load_policy(save)
+    assert saved.id == a["policy_id"] and "hidden" in saved.meta["verification"]["why"]
 
 
 def test_set_bucket_cap_rebuilds_buckets_and_keeps_training_exact(run_ranks) -> None:

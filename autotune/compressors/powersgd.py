@@ -164,7 +164,7 @@ class PowerSGD(ErrorFeedbackCompressor):
                 m.addmm_(p, q.t(), alpha=-1)
         q_flat = comm.all_reduce(torch.cat([q.reshape(-1) for q in qs])).div_(world)
         qs = [q.clone() for q in _split(q_flat, [q.shape for q in qs])]
-        for (t, name, m, _), p, q in zip(mats, ps, qs):
+        for (t, name, _, _), p, q in zip(mats, ps, qs):
             if t.dtype == torch.float32 and t.is_contiguous():
                 torch.matmul(p, q.t(), out=t.view(p.shape[0], q.shape[0]))
             else:

@@ -757,9 +757,12 @@ class Controller:
         if winner is not None and exploration is not None:
             ddp = next((n for n in exploration.order
                         if exploration.contenders[n].kind == "ddp" and n in decision.medians), None)
-        # the DDP start as measured interleaved with the trials (the reference steps ran
-        # before them, when a fresh process is often slower), else the reference steps
-        base = decision.medians[ddp] if ddp is not None else reference
+        # the DDP start: every step of plain DDP with nothing of ours beside it, the
+        # reference steps before the exploration and DDP's trial blocks in it
+        plain = list(self._ddp_steps) if self.summary is None else []  # first exploration
+        if ddp is not None and exploration is not None:
+            plain += exploration.times[ddp]
+        base = statistics.median(plain) if plain else reference
         summary: dict[str, Any] = {
             "settled_step": self.step + 1,
             "explore_steps": self.step + 1 - (self._explore_from or self.step),

@@ -116,11 +116,14 @@ def _end(proc: subprocess.Popen[bytes], directory: Path, stderr: Any) -> None:
 
 
 def _serve() -> int:
-    """The worker's side: lowest priority, imports first, then one request."""
-    try:
-        os.nice(19)
+    """The worker's side: the lowest CPU priority, imports first, then one request."""
+    try:  # Linux: SCHED_IDLE, below nice 19; a waking training thread preempts it at once
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        pass
+        try:
+            os.nice(19)
+        except (AttributeError, OSError):
+            pass
     import torch
 
     torch.set_num_threads(1)

@@ -31,11 +31,13 @@ survive DDP's bucket rebuild) and reduces each group with one collective per sta
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -186,6 +188,7 @@ class AutotuneState:
         from autotune.runtime.channel import Channel
 
         self._channel = Channel(name=f"autotune-comm-{self.rank}")
+        _OPEN.add(self)
         self._exact = create("none")  # before compress_from_step, and the guard's fallback
 
         # statistics
@@ -515,8 +518,29 @@ class AutotuneState:
             )
 
     def close(self) -> None:
-        """Stop the communication thread."""
+        """Stop the communication thread and let go of the hook's own process groups
+        (the state reduces nothing after this). Run for every open state at interpreter
+        exit too: a gloo group whose last reference goes during the interpreter's
+        finalization, with its worker threads, can abort the process (seen here as
+        "terminate called without an active exception" after a run had finished)."""
         self._channel.close()
+        self._comm = None
+        self._side_group = None  # type: ignore[assignment]
+        self._guard_group = None
+        _OPEN.discard(self)
+
+
+# every state not closed yet, closed at exit while the interpreter is whole
+_OPEN: weakref.WeakSet[AutotuneState] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_states() -> None:
+    for state in list(_OPEN):
+        try:
+            state.close()
+        except Exception:  # noqa: BLE001 - at exit, nothing to report to
+            pass
 
 
 _COLLECTIVES = ("allreduce", "allgather")
