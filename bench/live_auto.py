@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "workloads" / "live_train.py"
 MODES = ("auto", "ddp", "powersgd", "static")
@@ -119,9 +122,10 @@ def main() -> None:
                 rows += [row(results[m], ddp) for m in MODES if m in results]
                 if results["auto"].get("auto"):
                     Path(str(policy) + f".round{rnd}").write_text(policy.read_text())
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"steps": args.steps, "rows": rows,
-                                                "cells": cells(rows)}, indent=1) + "\n")
+                args.out.parent.mkdir(parents=True, exist_ok=True)  # atomically, every round
+                write_atomic(args.out, json.dumps({"steps": args.steps, "rows": rows,
+                                                   "cells": cells(rows)}, indent=1) + "\n",
+                             AutotuneError, "benchmark results")
     print_table(rows)
 
 

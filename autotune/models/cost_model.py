@@ -16,7 +16,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from autotune.models.simulator import ComputeTimes, ParamTiming, StepEstimate, W
 from autotune.policies import Policy
 from autotune.probes.profile import Profile
 
-__all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "codec_features"]
+__all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "calibration_pairs", "codec_features"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ def codec_features(spec: CompressorSpec, shape: tuple[int, ...],
     cols = numel // max(rows, 1) if len(shape) >= 2 else 1
     param = REGISTRY.get(spec.name).codec_param(spec.canonical().kwargs, density)
     return [float(numel), float(rows), float(cols), param]
+
+
+def calibration_pairs(results: Sequence[Mapping[str, Any]]) -> list[tuple[Policy | None, float]]:
+    """A profile's calibration results (``{"policy": dict or None, "step_s"}``) as the
+    (policy, median step seconds) pairs :meth:`CostModel.fit_residual` learns from."""
+    return [(None if r.get("policy") is None else Policy.from_dict(r["policy"], source="calibration"),
+             float(r["step_s"])) for r in results]
 
 
 def _link_bps(profile: Profile) -> float | None:
@@ -157,10 +164,7 @@ class CostModel:
         )
         pairs = list(profile.calibration.get("results", [])) if residual else []
         if len(pairs) >= 3:
-            model.fit_residual([
-                (None if p.get("policy") is None else Policy.from_dict(p["policy"], source="calibration"),
-                 float(p["step_s"])) for p in pairs
-            ])
+            model.fit_residual(calibration_pairs(pairs))
         return model
 
     def fit_residual(self, pairs: list[tuple[Policy | None, float]]) -> CostModel:

@@ -671,7 +671,7 @@ class Controller:
         request = {
             "compute": compute, "network": self._network, "env": live_environment(self._network),
             "current": self.state.policy.to_dict(), "model_name": self._model_name,
-            "world_size": self.world, "reference_s": statistics.median(self._ddp_steps),
+            "world_size": self.world, "reference_s": reference,
             "budget_s": self.config.budget_s, "codec_share": CODEC_SHARE,
             "trials": self.config.trials, "max_error": self._max_error(),
             "pinned": {k: dict(v) for k, v in self.config.pinned.items()},
@@ -720,6 +720,7 @@ class Controller:
 
     def _adopt(self, reply: dict[str, Any]) -> bool:
         """Take the search's profile and contenders (False: it failed)."""
+        from autotune.models.cost_model import CostModel
         from autotune.online.search import contender_from_dict
         from autotune.probes.profile import Profile
 
@@ -727,8 +728,6 @@ class Controller:
             logger.warning("auto: the search failed, keeping plain DDP: %s", reply["error"])
             self._log({"event": "search_failed", "step": self.step, "error": reply["error"]})
             return False
-        from autotune.models.cost_model import CostModel
-
         self.profile = Profile.from_dict(reply["profile"], source="live profile")
         self._model = CostModel.from_dict(reply["model"], source="the live cost model")
         self._top = [Policy.from_dict(p, source="searched policy") for p in reply["top"]]
@@ -842,9 +841,9 @@ class Controller:
             return
         # only the residual learns from the trials: refitting every component here,
         # between two steps, would stall training for seconds
-        self._model.fit_residual([
-            (None if p.get("policy") is None else Policy.from_dict(p["policy"], source="calibration"),
-             float(p["step_s"])) for p in results])
+        from autotune.models.cost_model import calibration_pairs
+
+        self._model.fit_residual(calibration_pairs(results))
 
     # ----------------------------------------------------------------- logging
     def _log(self, event: dict[str, Any]) -> None:
