@@ -56,9 +56,12 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 total = torch.tensor([float(rank + 1)])
 dist.all_reduce(total)
-print(json.dumps({"rank": rank, "world": dist.get_world_size(), "sum": total.item(),
-                  "argv": args, "local_rank": os.environ["LOCAL_RANK"],
-                  "master": os.environ["MASTER_ADDR"]}), flush=True)
+# one write with its newline: under torchrun the ranks share one stdout pipe, and
+# print's separate write of "\\n" let two ranks' lines run together
+sys.stdout.write(json.dumps({"rank": rank, "world": dist.get_world_size(), "sum": total.item(),
+                             "argv": args, "local_rank": os.environ["LOCAL_RANK"],
+                             "master": os.environ["MASTER_ADDR"]}) + "\\n")
+sys.stdout.flush()
 print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
 if "wait" in opts:  # until the test has read rank 0's first line
     while not Path(opts["wait"]).exists():
