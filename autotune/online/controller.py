@@ -523,6 +523,11 @@ class Controller:
                       "predicted_step_s": predicted, "step_ratio_change": ratio / ref_ratio,
                       "link_scale": self._scale, "ref_link_scale": ref_scale,
                       "link_bps_estimate": link, "policy": self.state.policy.id}
+            if link_dev <= math.log1p(self.config.link_threshold):
+                # the link held and the step moved: compute got slower or faster (another
+                # job on the host, a clock change), which moves how much communication
+                # hides behind it; the re-search asks the model about that
+                reason["compute_speed"] = ref_ratio / ratio
             self._log(reason)
             self._start_search(link, reason)
         return b"", 0
@@ -547,7 +552,7 @@ class Controller:
 
         assert self.profile is not None  # drift is watched only with a profile
         model = self.model()
-        what_if = WhatIf(bandwidth_bps=link_bps) if link_bps else WhatIf()
+        what_if = WhatIf(bandwidth_bps=link_bps, compute_speed=reason.get("compute_speed", 1.0))
         max_error = self.config.max_error
         if max_error is None:
             max_error = float(current.meta.get("max_error", DEFAULT_MAX_ERROR))
