@@ -104,3 +104,19 @@ def test_tiny_budgets_end_cleanly(budget: int) -> None:
     _run(exploration, TIMES)
     assert exploration.steps <= budget
     exploration.decide()
+
+
+def test_after_the_first_round_only_the_closest_go_on_and_get_the_budget() -> None:
+    # seven contenders within 1.2x of each other: a block of every one per round would
+    # spend the budget on two timed steps each; after round one only the three fastest
+    # besides the incumbent are measured further
+    times = {"ddp": 1.0, "a": 0.60, "b": 0.61, "c": 0.62, "d": 0.63, "e": 0.64, "f": 0.65,
+             "g": 0.66}
+    exploration = Exploration(_contenders(times), "ddp", trial_steps=2, budget_steps=90,
+                              keep_after_first=3)
+    _run(exploration, times, noise=0.01)
+    kept = [n for n in times if n not in exploration.dropped and n != "ddp"]
+    assert len(kept) <= 4 and "a" in kept
+    assert all("behind 3 faster" in exploration.dropped[n] for n in ("e", "f", "g"))
+    assert len(exploration.times["a"]) > 2 and all(len(exploration.times[n]) <= 2 for n in "efg")
+    assert exploration.decide()[0].name == "a"

@@ -131,7 +131,7 @@ class OnlineConfig:
     pinned: Mapping[str, Any] = field(default_factory=dict)
     lead_steps: int = 1
     log: str | os.PathLike[str] | None = None
-    explore_steps: int = 60
+    explore_steps: int = 90
     trial_steps: int = 2
     candidates: int = 3
     profile_steps: int = 4

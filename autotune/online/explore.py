@@ -12,7 +12,8 @@ the best policy found so far, not the slow start: that is what keeps degraded st
 
 Three rules drop a contender, each costing its user fewer slow steps than measuring it
 fully: a timed step beyond ``abort_above`` times the incumbent's median ends its block at
-once; after the first round a median beyond ``reject_above`` times the incumbent's; after
+once; after the first round a median beyond ``reject_above`` times the incumbent's, and all
+but the ``keep_after_first`` fastest (the later rounds separate the close ones); after
 ``min_rounds`` a bootstrap interval behind the fastest
 (:func:`autotune.trials.ratio_interval`). The trials end with one contender left, after
 ``max_rounds`` or when the step budget is spent; :func:`autotune.trials.decide` then picks
@@ -57,6 +58,9 @@ class Exploration:
         max_rounds: rounds at most.
         reject_above: after the first round, drop a contender whose median exceeds the
             incumbent's by this factor.
+        keep_after_first: after the first round, keep only this many contenders besides
+            the incumbent (the fastest medians), so the budget's later rounds go to
+            separating the close ones.
         abort_above: end a contender's block at once, and drop it, when one of its timed
             steps exceeds the incumbent's median by this factor (CPU speed drifts by up
             to 1.5x for seconds here, so this is set above that).
@@ -64,7 +68,8 @@ class Exploration:
 
     def __init__(self, contenders: Sequence[Contender], current: str, *, trial_steps: int,
                  budget_steps: int, min_rounds: int = 2, max_rounds: int = 4,
-                 reject_above: float = 1.2, abort_above: float = 1.6) -> None:
+                 reject_above: float = 1.2, abort_above: float = 1.6,
+                 keep_after_first: int = 3) -> None:
         self.contenders = {c.name: c for c in contenders}
         self.order = [c.name for c in contenders]
         if current not in self.contenders:
@@ -77,6 +82,7 @@ class Exploration:
         self.max_rounds = max_rounds
         self.reject_above = reject_above
         self.abort_above = abort_above
+        self.keep_after_first = keep_after_first
         self.times: dict[str, list[float]] = {n: [] for n in self.order}
         # predicted fastest first; unpredicted ones after, simplest first
         rank = {n: i for i, n in enumerate(self.order)}
@@ -176,6 +182,14 @@ class Exploration:
                 if t and statistics.median(t) > self.reject_above * ref:
                     self._drop(name, f"{statistics.median(t) / ref:.2f}x the fastest so far "
                                      f"({self.incumbent}) after one block")
+            # the later rounds go to the closest: each has the budget's steps to
+            # separate, where a block of every contender a round would leave each two
+            ranked = sorted((n for n in self.alive if self.times[n]),
+                            key=lambda n: statistics.median(self.times[n]))
+            for name in ranked[self.keep_after_first:]:
+                self._drop(name, f"{statistics.median(self.times[name]) / ref:.2f}x the fastest "
+                                 f"so far ({self.incumbent}) after one block, behind "
+                                 f"{self.keep_after_first} faster")
         if self.rounds >= self.min_rounds:
             measured = {n: t for n, t in self.times.items()
                         if (n in self.alive or n == self.incumbent) and len(t) >= 2}
