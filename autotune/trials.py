@@ -56,24 +56,29 @@ class Decision:
     reason: str = ""
 
 
-def decide(times: Mapping[str, Sequence[float]], order: Sequence[str], level: float = LEVEL) -> Decision:
-    """The fastest set-up by median; a simpler one (earlier in ``order``) whose interval
-    over it reaches 1 ties and wins instead.
+def decide(times: Mapping[str, Sequence[float]], order: Sequence[str], level: float = LEVEL,
+           simplicity: Mapping[str, int] | None = None) -> Decision:
+    """The fastest set-up by median; a simpler one whose interval over it reaches 1 ties
+    and wins instead.
 
     Args:
         times: measured step times per set-up name.
         order: every name of ``times``, simplest first.
         level: confidence of the intervals.
+        simplicity: name -> rank, lower simpler (default: the position in ``order``);
+            set-ups of one rank are equally simple, and between them the median decides
+            (e.g. one method at two bucket sizes).
     """
     missing = set(times) - set(order)
     if missing or not times:
         raise ValueError(f"order must name every set-up; missing {sorted(missing)}")
+    rank = dict(simplicity) if simplicity is not None else {n: i for i, n in enumerate(order)}
     medians = {n: statistics.median(t) for n, t in times.items()}
     fastest = min(times, key=lambda n: (medians[n], order.index(n)))
     intervals = {n: ratio_interval(times[n], times[fastest], level)
                  for n in times if n != fastest}
     ties = [n for n in order if n in intervals and intervals[n][0] <= 1.0]
-    simpler_ties = [n for n in ties if order.index(n) < order.index(fastest)]
+    simpler_ties = [n for n in ties if rank[n] < rank[fastest]]
     is_separated = not ties
     if simpler_ties:
         winner = simpler_ties[0]

@@ -120,3 +120,21 @@ def test_after_the_first_round_only_the_closest_go_on_and_get_the_budget() -> No
     assert all("behind 3 faster" in exploration.dropped[n] for n in ("e", "f", "g"))
     assert len(exploration.times["a"]) > 2 and all(len(exploration.times[n]) <= 2 for n in "efg")
     assert exploration.decide()[0].name == "a"
+
+
+def test_one_method_at_two_bucket_sizes_is_decided_by_the_median_not_the_order() -> None:
+    # psgd25 is listed first, but the two differ only in bucket size: equally simple,
+    # so a tie within noise goes to the faster median (plain DDP still wins its ties)
+    spec = {"compressor": "powersgd", "rank": 1}
+    def psgd(cap: float) -> Policy:
+        return Policy.from_dict({"version": 1, "default": spec, "bucket_cap_mb": cap})
+
+    contenders = [Contender("ddp", Policy(), "ddp"),
+                  Contender("psgd25", psgd(25.0), "baseline"),
+                  Contender("psgd100", psgd(100.0), "baseline")]
+    exploration = Exploration(contenders, "ddp", trial_steps=2, budget_steps=60)
+    times = {"ddp": 1.0, "psgd25": 0.52, "psgd100": 0.50}
+    _run(exploration, times, noise=0.08)
+    winner, decision = exploration.decide()
+    assert not decision.separated
+    assert winner.name == "psgd100"

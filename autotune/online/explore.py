@@ -215,12 +215,29 @@ class Exploration:
         if not times:
             times = {self.current: self.times[self.current] or [1.0]}
         order = [n for n in self.order if n in times]
-        decision = trials.decide(times, order)
+        decision = trials.decide(times, order, simplicity=self._simplicity(order))
         winner = decision.winner
         ddp = next((n for n in order if self.contenders[n].kind == "ddp"), None)
         if ddp is not None and decision.medians[winner] > decision.medians[ddp]:
             winner = ddp  # a simpler tie measured slower than plain DDP: DDP instead
         return self.contenders[winner], decision
+
+    def _simplicity(self, order: Sequence[str]) -> dict[str, int]:
+        """Plain DDP simplest; then contenders that differ only in bucket size are
+        equally simple (the median decides between them), ranked by first appearance."""
+        ranks: dict[str, int] = {}
+        methods: list[Any] = []
+        for name in order:
+            c = self.contenders[name]
+            if c.kind == "ddp":
+                ranks[name] = 0
+                continue
+            method = {k: v for k, v in c.policy.to_dict().items()
+                      if k not in ("bucket_cap_mb", "meta")}
+            if method not in methods:
+                methods.append(method)
+            ranks[name] = 1 + methods.index(method)
+        return ranks
 
     def report(self, decision: trials.Decision) -> dict[str, dict[str, Any]]:
         """Per measured contender: what ``autotune show`` prints (policy meta ``verified``)."""
