@@ -12,9 +12,10 @@ then tuned candidates). :func:`decide` is what ``autotune tune``'s verification 
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -54,6 +55,24 @@ class Decision:
     fastest: str = ""  # lowest median (the winner unless a simpler set-up tied with it)
     separated: bool = False  # the fastest beats every other set-up beyond the interval
     reason: str = ""
+
+
+def method_key(policy: Mapping[str, Any]) -> str:
+    """A policy's JSON without its bucket size and meta: equal for one method's set-ups."""
+    return json.dumps({k: v for k, v in policy.items() if k not in ("bucket_cap_mb", "meta")},
+                      sort_keys=True)
+
+
+def simplicity_ranks(order: Sequence[str], method: Mapping[str, str | None]) -> dict[str, int]:
+    """Ranks for :func:`decide`: a name's rank is the position of the first name in
+    ``order`` with the same ``method`` key (None: a rank of its own), so set-ups of
+    one method, e.g. at two bucket sizes, are equally simple."""
+    first: dict[str, int] = {}
+    ranks: dict[str, int] = {}
+    for i, name in enumerate(order):
+        key = method.get(name)
+        ranks[name] = i if key is None else first.setdefault(key, i)
+    return ranks
 
 
 def decide(times: Mapping[str, Sequence[float]], order: Sequence[str], level: float = LEVEL,

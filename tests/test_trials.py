@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autotune.trials import decide, ratio_interval, separated
+from autotune.trials import decide, method_key, ratio_interval, separated, simplicity_ranks
 
 
 def _times(median: float, n: int = 12, spread: float = 0.02, seed: int = 0) -> list[float]:
@@ -37,6 +37,23 @@ def test_a_tie_with_a_less_simple_set_up_keeps_the_fastest() -> None:
     d = decide(times, ["ddp", "fp16", "tuned"])
     assert d.winner == d.fastest == "fp16"
     assert not d.separated
+
+
+def test_one_method_at_two_bucket_sizes_is_equally_simple() -> None:
+    small = {"default": "powersgd", "bucket_cap_mb": 25.0, "meta": {"label": "a"}}
+    large = {**small, "bucket_cap_mb": 100.0, "meta": {}}
+    fp16 = {"default": "fp16", "bucket_cap_mb": 25.0}
+    assert method_key(small) == method_key(large) != method_key(fp16)
+    order = ["ddp", "psgd25", "fp16", "psgd100"]
+    keys = {"ddp": None, "psgd25": method_key(small), "fp16": method_key(fp16),
+            "psgd100": method_key(large)}
+    ranks = simplicity_ranks(order, keys)
+    assert ranks == {"ddp": 0, "psgd25": 1, "fp16": 2, "psgd100": 1}
+    # a tie between the two bucket sizes goes to the lower median, not the listed-first
+    times = {"ddp": _times(1.0, seed=1), "psgd25": _times(0.60, seed=2),
+             "fp16": _times(0.9, seed=4), "psgd100": _times(0.595, seed=3)}
+    assert decide(times, order, simplicity=ranks).winner == "psgd100"
+    assert decide(times, order).winner == "psgd25"
 
 
 def test_equal_medians_go_to_the_simpler() -> None:

@@ -223,21 +223,11 @@ class Exploration:
         return self.contenders[winner], decision
 
     def _simplicity(self, order: Sequence[str]) -> dict[str, int]:
-        """Plain DDP simplest; then contenders that differ only in bucket size are
-        equally simple (the median decides between them), ranked by first appearance."""
-        ranks: dict[str, int] = {}
-        methods: list[Any] = []
-        for name in order:
-            c = self.contenders[name]
-            if c.kind == "ddp":
-                ranks[name] = 0
-                continue
-            method = {k: v for k, v in c.policy.to_dict().items()
-                      if k not in ("bucket_cap_mb", "meta")}
-            if method not in methods:
-                methods.append(method)
-            ranks[name] = 1 + methods.index(method)
-        return ranks
+        """Plain DDP simplest; contenders that differ only in bucket size are equally
+        simple (the median decides between them)."""
+        return trials.simplicity_ranks(order, {
+            n: None if self.contenders[n].kind == "ddp" else trials.method_key(self.contenders[n].policy.to_dict())
+            for n in order})
 
     def report(self, decision: trials.Decision) -> dict[str, dict[str, Any]]:
         """Per measured contender: what ``autotune show`` prints (policy meta ``verified``)."""

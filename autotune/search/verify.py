@@ -26,7 +26,7 @@ from autotune.policies import Policy
 from autotune.presets import PRESETS
 from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN
 from autotune.search.tuner import Candidate, TuneResult
-from autotune.trials import decide, ratio_interval
+from autotune.trials import decide, method_key, ratio_interval, simplicity_ranks
 
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "model_accuracy",
            "verify_result"]
@@ -124,8 +124,12 @@ def verify_result(
     # tie its way back in; the survivors (the most steps) decide.
     most = max(len(times[n]) for n in eligible)
     survivors = [n for n in eligible if len(times[n]) == most]
-    decision = decide({n: times[n] for n in survivors}, survivors)
-    overall = decide(times, [s["name"] for s in setups])
+    # our policies that differ only in bucket size are equally simple: the median
+    # decides between them (a stock hook is its own rank, as plain DDP is)
+    ranks = simplicity_ranks([s["name"] for s in setups], {
+        s["name"]: method_key(s["policy"]) if s["kind"] == "policy" else None for s in setups})
+    decision = decide({n: times[n] for n in survivors}, survivors, simplicity=ranks)
+    overall = decide(times, [s["name"] for s in setups], simplicity=ranks)
     winner, why = decision.winner, decision.reason
     medians = {n: statistics.median(times[n]) for n in eligible}
     exact = _exact_within(medians, info, winner, exact_margin)
@@ -159,6 +163,7 @@ def verify_result(
         "model_accuracy": model_accuracy(report),
         "separated": decision.separated, "rounds": measured.get("rounds"),
         "measure_s": measured.get("measure_s"), "budget_s": budget_s,
+        "fastest_within_budget": decision.fastest,
         "fastest_overall": overall.fastest,
         "fastest_overall_error": info[overall.fastest]["error"],
     }
