@@ -51,7 +51,7 @@ def _embedding_errors(profile: Any, policy: Any) -> dict[str, dict[str, Any]]:
     compressor the policy gives it and the probe's measured error of that compressor."""
     from autotune.search.space import ErrorModel, label_of
 
-    structure = profile.codecs.get("structure") or {}
+    structure = profile.codecs.structure
     errors = ErrorModel(profile)
     out = {}
     for name, s in structure.items():

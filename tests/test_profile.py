@@ -4,7 +4,9 @@ end to end on real ranks."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +52,8 @@ def test_round_trip_through_json_file(tmp_path: Path) -> None:
     profile.save(path)
     again = load_profile(path)
     assert again == profile
-    assert again.to_dict() == {**minimal(), "calibration": {"results": []}}
+    # an optional array left empty is not written (codecs' shapes and errors here)
+    assert again.to_dict() == {**minimal(), "calibration": {"results": []}, "codecs": {}}
     assert again.fingerprint == profile.fingerprint
     assert again.fit("p2p")["bandwidth_Bps"] == 1.2e8
     assert again.compute_floor_s() == pytest.approx(0.1)
@@ -60,9 +63,11 @@ def test_profile_is_read_only_and_independent_of_its_source_dict() -> None:
     data = minimal()
     profile = Profile.from_dict(data)
     data["compute"]["step_s"].append(99.0)
-    assert len(profile.compute["step_s"]) == 3
+    assert len(profile.compute.step_s) == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.compute.step_s = ()  # type: ignore[misc]
     with pytest.raises(TypeError):
-        profile.compute["step_s"] = []  # type: ignore[index]
+        profile.compute.params[0]["name"] = "x"  # type: ignore[index]
 
 
 def _broken(path: list[Any], value: Any) -> dict[str, Any]:
@@ -146,11 +151,11 @@ def test_autotune_profile_end_to_end(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     profile = load_profile(out)
-    assert profile.env["world_size"] == 2 and profile.workload["name"] == "mlp"
-    assert {"allreduce", "allgather", "broadcast", "p2p"} <= set(profile.network["fits"])
-    assert len(profile.compute["params"]) == 10
-    assert profile.codecs["shapes"] and profile.codecs["errors"]
-    assert len(profile.calibration["results"]) == 8  # baselines and random policies
+    assert profile.env.world_size == 2 and profile.workload.name == "mlp"
+    assert {"allreduce", "allgather", "broadcast", "p2p"} <= set(profile.network.fits)
+    assert len(profile.compute.params) == 10
+    assert profile.codecs.shapes and profile.codecs.errors
+    assert len(profile.calibration.results) == 8  # baselines and random policies
     assert "network" in proc.stdout and "codecs" in proc.stdout
 
 
@@ -199,7 +204,7 @@ def with_rows() -> dict[str, Any]:
 
 def test_cells_measured_on_rows_load_and_old_cells_read_as_full() -> None:
     profile = Profile.from_dict(with_rows())
-    assert [e.get("measured", "full") for e in profile.codecs["errors"]] == [
+    assert [e.get("measured", "full") for e in profile.codecs.errors] == [
         "live_rows", "sample", "full", "full", "full", "full"]
     assert Profile.from_dict(profile.to_dict()) == profile
 
@@ -309,3 +314,68 @@ def test_show_lists_the_row_sparse_gradients_or_says_all_are_dense(
     assert main(["show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gradient rows" not in out and "row-sparse" not in out
+
+
+# ------------------------------------------------------------ typed sections
+
+def test_each_section_is_typed_validated_and_round_trips() -> None:
+    from autotune.probes.profile import Codecs, Compute, Env, Network, Workload
+
+    profile = Profile.from_dict(minimal())
+    assert isinstance(profile.env, Env) and profile.env.world_size == 2 and profile.env.link == "1gbit"
+    assert isinstance(profile.workload, Workload) and profile.workload.spec is None
+    assert isinstance(profile.network, Network) and profile.network.fits["allreduce"]["latency_s"] == 1e-4
+    assert isinstance(profile.compute, Compute) and profile.compute.param_names == ("fc.weight", "fc.bias")
+    assert profile.compute.shapes == {"fc.weight": (10, 20), "fc.bias": (10,)}
+    assert isinstance(profile.codecs, Codecs) and profile.codecs.structure == {}
+    for section in (profile.env, profile.workload, profile.network, profile.compute,
+                    profile.codecs, profile.calibration):
+        assert type(section).from_dict(section.to_dict()) == section
+    # descriptive keys autotune does not read are kept, read-only, and written back
+    data = minimal()
+    data["env"]["created"] = "2026-12-04T00:00:00+00:00"
+    env = Profile.from_dict(data).env
+    assert env.extra["created"] == data["env"]["created"]
+    assert env.to_dict() == data["env"]
+
+
+@pytest.mark.parametrize("build,field", [
+    (lambda: __import__("autotune.probes.profile", fromlist=["Compute"]).Compute(
+        step_s=(), forward_s=(0.1,), backward_s=(0.1,), optimizer_s=(0.1,),
+        params=({"name": "w", "shape": [2]},)), "compute.step_s: expected a non-empty array"),
+    (lambda: __import__("autotune.probes.profile", fromlist=["Env"]).Env(
+        torch="2.13.0", backend="gloo", device="cpu", world_size=2), "env.hosts: missing"),
+    (lambda: __import__("autotune.probes.profile", fromlist=["Env"]).Env(
+        torch="2.13.0", backend="gloo", device="cpu", world_size=2, hosts=3),
+     "env.hosts: expected an integer in [1, 2]"),
+    (lambda: __import__("autotune.probes.profile", fromlist=["Workload"]).Workload(
+        name="x", spec=""), "workload.spec: expected a non-empty string"),
+])
+def test_a_section_built_in_code_is_validated_like_one_read_from_a_file(build, field: str) -> None:
+    with pytest.raises(ProfileError, match=re.escape(field)):
+        build()
+
+
+def test_consumers_read_profile_sections_as_attributes_not_string_keys() -> None:
+    """JSON stays at the file edge: outside probes/profile.py nothing indexes a profile's
+    section with a string (``profile.compute["params"]``, ``profile.env.get("link")``)."""
+    import ast
+
+    sections = {"env", "workload", "network", "compute", "codecs", "calibration"}
+    package = Path(__file__).resolve().parent.parent / "autotune"
+    found = []
+    for path in package.rglob("*.py"):
+        if path.name == "profile.py" and path.parent.name == "probes":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            target = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                target = node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
+                target = node.func.value
+            if (isinstance(target, ast.Attribute) and target.attr in sections
+                    and isinstance(target.value, ast.Name) and "prof" in target.value.id):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not found, f"string-key reads of profile sections: {found}"

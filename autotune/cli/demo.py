@@ -120,7 +120,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with cluster(hosts, nproc_per_node, link) as ranks, \
             out.status("verifying the best candidates beside the baselines"):
         policy, _ = verify_result(result, DEFAULT_CANDIDATES, args.workload, ranks,
-                                  backend=str(profile.env.get("backend", "gloo")))
+                                  backend=profile.env.backend)
     print_verification(out, policy.meta)
     policy.save(args.out_dir / "policy.json")
     layers = sorted({s.label() for s in policy.layers.values()}) or [policy.default.label()]

@@ -125,5 +125,5 @@ def cmd_profile(args: argparse.Namespace) -> int:
     profile.save(args.out)
     out = console()
     print_profile(out, profile)
-    out.print(f"wrote {args.out} (took {profile.env['wall_s']:.0f} s of probing)")
+    out.print(f"wrote {args.out} (took {profile.env.extra['wall_s']:.0f} s of probing)")
     return EXIT_OK

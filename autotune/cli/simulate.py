@@ -113,7 +113,7 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
     configs: list[tuple[str, Policy | None]] = []
     if args.policy is not None:
         policy = load_policy(args.policy)
-        work = [(p["name"], p["shape"]) for p in profile.compute["params"]]
+        work = [(p["name"], p["shape"]) for p in profile.compute.params]
         unknown = sorted(set(policy.layers) - {n for n, _ in work})
         if unknown:
             raise ProfileError(f"{args.policy}: names parameters the profiled model lacks: "
@@ -137,7 +137,7 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
         if traced is None:
             traced = (name, est)
     if args.trace is not None and traced is not None:
-        write_trace(args.trace, traced[1], title=f"{traced[0]} on {profile.workload['name']}")
+        write_trace(args.trace, traced[1], title=f"{traced[0]} on {profile.workload.name}")
     return results
 
 

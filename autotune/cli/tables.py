@@ -33,15 +33,15 @@ def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
     env = profile.env
     console.print(Text.assemble(
         ("profile ", "bold"), (profile.fingerprint, "bold cyan"),
-        f"  {profile.workload['name']} on {env['world_size']} ranks, {env['hosts']} host(s)"
-        f"{', link ' + env['link'] if env.get('link') else ''}, {env['backend']}/{env['device']},"
-        f" torch {env['torch']}",
+        f"  {profile.workload.name} on {env.world_size} ranks, {env.hosts} host(s)"
+        f"{', link ' + env.link if env.link else ''}, {env.backend}/{env.device},"
+        f" torch {env.torch}",
     ))
     _network(console, profile)
     _compute(console, profile, top)
     _codecs(console, profile)
     _structure(console, profile, top)
-    cal = profile.calibration.get("results", [])
+    cal = profile.calibration.results
     if cal:
         steps = sorted(r["step_s"] for r in cal)
         console.print(f"calibration: {len(cal)} policies measured on the live job "
@@ -50,7 +50,7 @@ def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
 
 
 def _network(console: Console, profile: Profile) -> None:
-    fits = profile.network.get("fits", {})
+    fits = profile.network.fits
     if not fits:
         console.print("network: a single rank, nothing to probe")
         return
@@ -59,7 +59,7 @@ def _network(console: Console, profile: Profile) -> None:
                 "bus bw Mbit/s", "fitted on", "largest measured"):
         table.add_column(col, justify="left" if col in ("collective", "link class") else "right")
     largest: dict[str, int] = {}
-    for s in profile.network.get("samples", []):
+    for s in profile.network.samples:
         key = s["collective"] if s["collective"] != "p2p" else f"p2p:{s.get('link_class')}"
         largest[key] = max(largest.get(key, 0), s["bytes"])
 
@@ -81,14 +81,14 @@ def _network(console: Console, profile: Profile) -> None:
 
 def _compute(console: Console, profile: Profile, top: int) -> None:
     c = profile.compute
-    med = {k: statistics.median(c[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s") if c.get(k)}
+    med = {k: statistics.median(getattr(c, k)) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")}
     console.print(
         "compute (slowest rank, median): " + ", ".join(
             f"{k.removesuffix('_s')} {_ms(v)} ms" for k, v in med.items()
         ) + "  [dim](step = the compute-only floor, ranks side by side)[/dim]"
     )
-    params = sorted(c["params"], key=lambda p: -_numel(p))[:top]
-    modules = {m["name"]: m for m in c.get("modules", [])}
+    params = sorted(c.params, key=lambda p: -_numel(p))[:top]
+    modules = {m["name"]: m for m in c.modules}
     table = Table(title=f"the {len(params)} layers with the most gradient bytes", title_justify="left")
     for col in ("parameter", "shape", "grad MB", "ready at ms", "layer backward ms"):
         table.add_column(col, justify="left" if col == "parameter" else "right")
@@ -98,7 +98,7 @@ def _compute(console: Console, profile: Profile, top: int) -> None:
         table.add_row(Text(p["name"]), "x".join(map(str, p["shape"])), f"{_numel(p) * 4 / 1e6:.2f}",
                       _ms(p["ready_s"]), _ms(back) if back is not None else "")
     console.print(table)
-    slow = sorted(c.get("modules", []), key=lambda m: -(m.get("backward_s") or 0.0))[:top]
+    slow = sorted(c.modules, key=lambda m: -(m.get("backward_s") or 0.0))[:top]
     if slow:
         t2 = Table(title=f"the {len(slow)} layers with the most backward time", title_justify="left")
         for col in ("module", "type", "forward ms", "backward ms"):
@@ -111,10 +111,10 @@ def _compute(console: Console, profile: Profile, top: int) -> None:
 
 def _codecs(console: Console, profile: Profile) -> None:
     codecs = profile.codecs
-    shapes = codecs.get("shapes", [])
+    shapes = codecs.shapes
     if not shapes:
         return
-    params = profile.compute["params"]
+    params = profile.compute.params
     count: dict[tuple[int, ...], int] = {}
     for p in params:
         key = tuple(p["shape"])
@@ -129,7 +129,7 @@ def _codecs(console: Console, profile: Profile) -> None:
         agg["time"] += s["encode_decode_s"] * n
         agg["bytes"] += s["wire_bytes"] * n
     numel = {p["name"]: _numel(p) for p in params}
-    for e in codecs.get("errors", []):
+    for e in codecs.errors:
         label = _spec_label(e["spec"])
         if label in per_spec:
             w = numel.get(e["param"], 1)
@@ -162,7 +162,7 @@ def _codecs(console: Console, profile: Profile) -> None:
             "times scaled from row samples"
         )
     if coverage["missing"]:
-        skipped = ", ".join(_spec_label(s) for s in codecs.get("skipped", []))
+        skipped = ", ".join(_spec_label(s) for s in codecs.skipped)
         console.print(f"[yellow]codec probe stopped at its time budget: {coverage['missing']} "
                       f"cells missing{' (' + skipped + ' not measured)' if skipped else ''}"
                       "[/yellow]")
@@ -175,10 +175,10 @@ def _percent(fraction: float) -> str:
 def _structure(console: Console, profile: Profile, top: int) -> None:
     """The row-sparse gradients the codec probe found (profiles before it measured
     them: nothing)."""
-    structure = profile.codecs.get("structure")
+    structure = profile.codecs.structure
     if not structure:
         return
-    shapes = {p["name"]: p["shape"] for p in profile.compute["params"]}
+    shapes = profile.compute.shapes
     sparse = sorted((name for name, s in structure.items()
                      if s["row_density_max"] < ROW_SPARSE_BELOW),
                     key=lambda n: -_numel({"shape": shapes.get(n, [])}))
@@ -220,10 +220,10 @@ def codec_coverage(profile: Profile) -> dict[str, Any]:
         cell as measured in full.
     """
     codecs = profile.codecs
-    errors = codecs.get("errors", [])
-    times = codecs.get("shapes", [])
-    params = [p["name"] for p in profile.compute["params"]]
-    labels = {_spec_label(s) for s in (*codecs.get("grid", []), *codecs.get("skipped", []))}
+    errors = codecs.errors
+    times = codecs.shapes
+    params = profile.compute.param_names
+    labels = {_spec_label(s) for s in (*codecs.grid, *codecs.skipped)}
     have = {(_spec_label(e["spec"]), e["param"]) for e in errors}
     missing = sum(1 for label in labels for name in params if (label, name) not in have)
     on_rows = [e for e in errors if e.get("measured", "full") != "full"]

@@ -181,13 +181,13 @@ def _verify_job(args: argparse.Namespace, profile: Any) -> None:
     from autotune.workloads import resolve_workload
 
     env = profile.env
-    args.workload = args.workload or profile.workload.get("spec") or profile.workload["name"]
-    args.hosts = args.hosts or (int(env["hosts"]) if env.get("link") else 1)
-    args.nproc_per_node = args.nproc_per_node or max(1, int(env["world_size"]) // args.hosts)
+    args.workload = args.workload or profile.workload.spec or profile.workload.name
+    args.hosts = args.hosts or (env.hosts if env.link else 1)
+    args.nproc_per_node = args.nproc_per_node or max(1, env.world_size // args.hosts)
     # an emulated link needs emulated hosts: `--hosts 1` verifies on local ranks
-    args.link = args.link or (env.get("link") if args.hosts > 1 else None)
+    args.link = args.link or (env.link if args.hosts > 1 else None)
     profile.check_model(resolve_workload(args.workload).model, f"--workload {args.workload}")
-    profiled = (int(env["world_size"]), int(env["hosts"]), env.get("link"))
+    profiled = (env.world_size, env.hosts, env.link)
     live = (args.hosts * args.nproc_per_node, args.hosts, args.link)
     if live != profiled:
         def job(world: int, hosts: int, link: str | None) -> str:
@@ -205,7 +205,7 @@ def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tu
     from autotune.search.verify import candidates, verify_result
 
     count = len(candidates(result, args.verify))
-    backend = str(profile.env.get("backend", "gloo"))
+    backend = profile.env.backend
     with placement(args) as where, out.status(
         f"verifying {count} candidates beside the baselines on the live job "
         f"(at most {args.verify_budget:g} s of measurement)"

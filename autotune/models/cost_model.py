@@ -69,12 +69,12 @@ def calibration_pairs(results: Sequence[Mapping[str, Any]]) -> list[tuple[Policy
 def _link_bps(profile: Profile) -> float | None:
     """The measured link's rate: the emulated link if named, else the allreduce's bus
     bandwidth (what the collective actually got)."""
-    link = profile.env.get("link")
+    link = profile.env.link
     if link:
         from autotune.links import parse_link
 
         return parse_link(str(link)).rate_bps
-    fit = profile.network.get("fits", {}).get("allreduce")
+    fit = profile.network.fits.get("allreduce")
     return float(fit["busbw_Bps"]) * 8 if fit and "busbw_Bps" in fit else None
 
 
@@ -82,7 +82,7 @@ def row_densities(profile: Profile) -> dict[str, float]:
     """Per parameter, the fraction of rows holding a non-zero gradient on the busiest
     rank, from the codec probe's gradient-structure measurements (``codecs.structure``;
     empty for profiles that have none)."""
-    structure = profile.codecs.get("structure") or {}
+    structure = profile.codecs.structure
     return {name: float(s["row_density_max"]) for name, s in structure.items()
             if isinstance(s, Mapping) and s.get("row_density_max") is not None}
 
@@ -91,23 +91,23 @@ def compute_times(profile: Profile) -> ComputeTimes:
     """Per-rank compute from a profile, with ready times scaled to un-instrumented steps
     (the per-layer hooks that time them slow backward down a little)."""
     c = profile.compute
-    backward = statistics.median(c["backward_s"])
-    hooked = statistics.median(c.get("hooked_backward_s") or c["backward_s"])
+    backward = statistics.median(c.backward_s)
+    hooked = statistics.median(c.hooked_backward_s or c.backward_s)
     scale = backward / hooked if hooked > 0 else 1.0
     densities = row_densities(profile)
     params = tuple(
         ParamTiming(p["name"], tuple(int(d) for d in p["shape"]),
                     (p["ready_s"] if p["ready_s"] is not None else backward / scale) * scale,
                     density=densities.get(p["name"]))
-        for p in c["params"]
+        for p in c.params
     )
     return ComputeTimes(
         params=params,
-        forward_s=statistics.median(c["forward_s"]),
+        forward_s=statistics.median(c.forward_s),
         backward_s=backward,
-        optimizer_s=statistics.median(c["optimizer_s"]),
-        floor_s=statistics.median(c["step_s"]),
-        contention=1.0 if profile.env.get("device", "cpu") == "cpu" else 0.0,
+        optimizer_s=statistics.median(c.optimizer_s),
+        floor_s=statistics.median(c.step_s),
+        contention=1.0 if profile.env.device == "cpu" else 0.0,
     )
 
 
@@ -132,7 +132,7 @@ class CostModel:
         comm: dict[str, CollectiveTimeRegressor] = {}
         cv: dict[str, float] = {}
         for name in _RUNTIME_COLLECTIVES:
-            rows = [(s["bytes"], profile.world_size, t) for s in profile.network.get("samples", [])
+            rows = [(s["bytes"], profile.world_size, t) for s in profile.network.samples
                     if s["collective"] == name for t in s["times_s"]]
             if not rows:
                 continue
@@ -143,7 +143,7 @@ class CostModel:
             cv[f"comm.{name}"] = relative_cv_error(CollectiveTimeRegressor(collective=name), X, y)
         codec: dict[str, CodecTimeRegressor] = {}
         by_name: dict[str, list[tuple[list[float], float]]] = {}
-        for s in profile.codecs.get("shapes", []):
+        for s in profile.codecs.shapes:
             spec = CompressorSpec.from_dict(s["spec"])
             # data-dependent methods were timed at the density of the tensor timed, and
             # sparse tensors again with more rows filled
@@ -159,10 +159,10 @@ class CostModel:
             cv[f"codec.{name}"] = relative_cv_error(CodecTimeRegressor(compressor=name), X, y)
         model = cls(
             compute=compute_times(profile), world_size=profile.world_size, comm=comm,
-            codec=codec, codec_world=int(profile.codecs.get("world_size", profile.world_size)),
+            codec=codec, codec_world=profile.codecs.world_size or profile.world_size,
             link_bps=_link_bps(profile), fingerprint=profile.fingerprint, cv_error=cv,
         )
-        pairs = list(profile.calibration.get("results", [])) if residual else []
+        pairs = list(profile.calibration.results) if residual else []
         if len(pairs) >= 3:
             model.fit_residual(calibration_pairs(pairs))
         return model

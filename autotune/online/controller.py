@@ -52,7 +52,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
@@ -834,14 +834,15 @@ class Controller:
         model's residual is fitted on for the next re-search."""
         if self.profile is None:
             return
-        data = self.profile.to_dict()
-        results = list(data["calibration"]["results"])
+        results = list(self.profile.calibration.results)
         for name, median in decision.medians.items():
             policy = exploration.contenders[name].policy
             plain = {k: v for k, v in policy.to_dict().items() if k != "meta"}
             results.append({"policy": None if policy.id == Policy().id else plain, "step_s": median})
-        data["calibration"] = {"results": results}
-        self.profile = type(self.profile).from_dict(data, source="live profile")
+        from autotune.probes.profile import Calibration
+
+        self.profile = replace(self.profile, calibration=Calibration(
+            results=tuple(results), origin=self.profile.source))
         if self._model is None or len(results) < 3:
             return
         # only the residual learns from the trials: refitting every component here,

@@ -11,8 +11,11 @@ raw sample and fit of the network, compute and codec probes::
      "compute": {"step_s": [...], "params": [{"name": ..., "ready_s": ...}, ...], ...},
      "codecs": {"shapes": [...], "errors": [...], ...}}
 
-A profile can be taken on one machine and tuned on another. Like a policy it is only
-ever JSON, validated on load (messages name the field), and saved atomically.
+In code each section is a typed, frozen :class:`Section` (:class:`Env`,
+:class:`Workload`, :class:`Network`, :class:`Compute`, :class:`Codecs`,
+:class:`Calibration`): consumers read attributes, JSON stays at the file edge. A profile
+can be taken on one machine and tuned on another. Like a policy it is validated at
+construction (messages name the field) and saved atomically.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ import json
 import math
 import os
 import reprlib
-from dataclasses import dataclass, field
-from typing import Any, Mapping, NoReturn
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Mapping, NoReturn
 
 from autotune.errors import AutotuneError, ProfileError
 from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_atomic
 from autotune.links import parse_link
 
-__all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Profile", "load_profile"]
+__all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Calibration", "Codecs", "Compute", "Env", "Network",
+           "Profile", "Section", "Workload", "load_profile"]
 
 PROFILE_VERSION = 1
 # A parameter whose busiest rank leaves more than half of its gradient's rows zero is
@@ -40,35 +44,346 @@ ROW_SPARSE_BELOW = 0.5
 _SECTIONS = ("env", "workload", "network", "compute", "codecs", "calibration")
 
 
-@dataclass(frozen=True)
-class Profile:
-    """A validated, read-only profile. Sections are plain JSON objects (see module doc)."""
+class Section:
+    """One section of a profile: typed attributes for what autotune reads, validated at
+    construction; the section's other (descriptive) keys are kept, read-only, in
+    ``extra`` so that ``to_dict`` writes back what ``from_dict`` read.
 
-    env: Mapping[str, Any]
-    workload: Mapping[str, Any]
-    network: Mapping[str, Any]
-    compute: Mapping[str, Any]
-    codecs: Mapping[str, Any] = field(default_factory=dict)
-    # measured (policy, step time) pairs that fit the cost model's residual
-    calibration: Mapping[str, Any] = field(default_factory=lambda: {"results": []})
-    source: str = field(default="profile", compare=False)  # where it was read from
+    A field left None is absent (a required one fails validation as "missing"); an
+    optional collection left empty is not written.
+    """
+
+    KEY: ClassVar[str] = ""
+    ALWAYS: ClassVar[frozenset[str]] = frozenset()  # written even when None
 
     def __post_init__(self) -> None:
-        where = f"{self.source}: must hold only JSON values (objects, arrays, strings, finite numbers, booleans, null)"
+        where = (f"{self.origin}: {self.KEY}: must hold only JSON values (objects, arrays, "
+                 "strings, finite numbers, booleans, null)")
         try:
-            plain = {name: thaw(getattr(self, name)) for name in _SECTIONS}
+            plain = self._plain()
         except RecursionError as exc:
             raise ProfileError(f"{where}: nested too deeply") from exc
-        _validate(plain, self.source)  # names the field of a bad value
+        self._check(_Validator(self.origin), plain)  # names the field of a bad value
         try:
-            # Through JSON text: what is kept is exactly what save() writes (and catches
-            # what no field check covers), and later changes to the caller's dicts cannot
-            # reach this profile.
+            # Through JSON text: what is kept is exactly what to_dict() writes, and later
+            # changes to the caller's values cannot reach this section.
             plain = json.loads(dumps(plain))
         except (TypeError, ValueError, RecursionError) as exc:
             raise ProfileError(f"{where}: {exc}") from exc
-        for name in _SECTIONS:
-            object.__setattr__(self, name, freeze(plain[name]))
+        names = self._names()
+        for name in names:  # an absent one keeps its default, read-only
+            value = plain[name] if name in plain else thaw(getattr(self, name))
+            object.__setattr__(self, name, freeze(value))
+        object.__setattr__(self, "extra", freeze({k: v for k, v in plain.items() if k not in names}))
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name not in ("extra", "origin"))
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = "profile") -> Any:
+        """The section from its JSON object; errors name the field."""
+        if not isinstance(data, Mapping):
+            _fail(origin, cls.KEY, f"expected an object, got {json_type(data)}")
+        names = cls._names()
+        extra = {k: v for k, v in data.items() if k not in names}
+        return cls(**{k: data[k] for k in names if k in data}, extra=extra, origin=origin)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self._plain()
+
+    def _plain(self) -> dict[str, Any]:
+        out = {k: thaw(v) for k, v in self.extra.items()}
+        for f in fields(self):
+            if f.name in ("extra", "origin"):
+                continue
+            value = getattr(self, f.name)
+            if value is None and f.name not in self.ALWAYS:
+                continue
+            if f.default is not None and f.default is not MISSING and not value:
+                continue  # an optional collection left empty
+            if f.default_factory is not MISSING and not value:
+                continue
+            out[f.name] = thaw(value)
+        return out
+
+    @classmethod
+    def _check(cls, v: _Validator, data: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Env(Section):
+    """Where the profile was taken (``extra``: versions, device name, created, wall_s...)."""
+
+    KEY: ClassVar[str] = "env"
+    ALWAYS: ClassVar[frozenset[str]] = frozenset({"link"})
+    torch: str = None  # type: ignore[assignment]  # required (None: missing)
+    backend: str = None  # type: ignore[assignment]
+    device: str = None  # type: ignore[assignment]
+    world_size: int = None  # type: ignore[assignment]
+    hosts: int = None  # type: ignore[assignment]
+    link: str | None = None  # the emulated link, if any
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = field(default="profile", compare=False)
+
+    @classmethod
+    def _check(cls, v: _Validator, env: Mapping[str, Any]) -> None:
+        for key in ("torch", "backend", "device"):
+            v.string(env, f"env.{key}")
+        world = v.integer(env, "env.world_size", low=1)
+        v.integer(env, "env.hosts", low=1, high=world)
+        if env.get("link") is not None:
+            try:
+                parse_link(v.string(env, "env.link"))
+            except AutotuneError as exc:
+                _fail(v.source, "env.link", str(exc))
+
+
+@dataclass(frozen=True)
+class Workload(Section):
+    """What was profiled (``extra``: its parameter and tensor counts)."""
+
+    KEY: ClassVar[str] = "workload"
+    name: str = None  # type: ignore[assignment]  # required
+    spec: str | None = None  # how to build it again (a built-in name, file.py:fn, "live")
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = field(default="profile", compare=False)
+
+    @classmethod
+    def _check(cls, v: _Validator, wl: Mapping[str, Any]) -> None:
+        v.string(wl, "workload.name")
+        v.optional(wl, "workload.spec", v.string)
+
+
+@dataclass(frozen=True)
+class Network(Section):
+    """Collective and point-to-point fits and their raw samples."""
+
+    KEY: ClassVar[str] = "network"
+    # collective -> {"latency_s", "bandwidth_Bps", "busbw_Bps"?}; "p2p": link class -> fit
+    fits: Mapping[str, Any] = None  # type: ignore[assignment]  # required
+    samples: tuple[Mapping[str, Any], ...] = None  # type: ignore[assignment]  # required
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = field(default="profile", compare=False)
+
+    @classmethod
+    def _check(cls, v: _Validator, net: Mapping[str, Any]) -> None:
+        fits = v.obj(net, "network.fits")
+        for name, fit in fits.items():
+            path = f"network.fits.{name}"
+            entries = v.obj(fits, path).items() if name == "p2p" else [(None, fit)]
+            for link_class, f in entries:
+                p = path if link_class is None else f"{path}.{link_class}"
+                if not isinstance(f, Mapping):
+                    _fail(v.source, p, f"expected an object, got {json_type(f)}")
+                v.number(f, f"{p}.latency_s", low=0.0, high=MAX_SECONDS)
+                v.number(f, f"{p}.bandwidth_Bps", low=0.0, low_open=True, high=MAX_BYTES)
+                v.optional(f, f"{p}.busbw_Bps", v.number, low=0.0, low_open=True, high=MAX_BYTES)
+        for i, s in enumerate(v.array(net, "network.samples")):
+            path = f"network.samples[{i}]"
+            v.is_obj(s, path)
+            v.string(s, f"{path}.collective")
+            v.integer(s, f"{path}.bytes", low=0, high=MAX_BYTES)
+            v.seconds_array(s, f"{path}.times_s")
+            v.optional(s, f"{path}.link_class", v.string)
+
+
+@dataclass(frozen=True)
+class Compute(Section):
+    """Step-phase times and per-parameter gradient-ready times."""
+
+    KEY: ClassVar[str] = "compute"
+    step_s: tuple[float, ...] = None  # type: ignore[assignment]  # required, each > 0
+    forward_s: tuple[float, ...] = None  # type: ignore[assignment]  # required
+    backward_s: tuple[float, ...] = None  # type: ignore[assignment]  # required
+    optimizer_s: tuple[float, ...] = None  # type: ignore[assignment]  # required
+    hooked_step_s: tuple[float, ...] | None = None
+    hooked_backward_s: tuple[float, ...] | None = None
+    # {"name", "shape", "ready_s" (null: never got a gradient), ...} in module order
+    params: tuple[Mapping[str, Any], ...] = None  # type: ignore[assignment]  # required
+    modules: tuple[Mapping[str, Any], ...] = ()  # {"name", "forward_s"?, "backward_s"?}
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = field(default="profile", compare=False)
+
+    @classmethod
+    def _check(cls, v: _Validator, comp: Mapping[str, Any]) -> None:
+        for key in ("step_s", "forward_s", "backward_s", "optimizer_s"):
+            v.seconds_array(comp, f"compute.{key}", nonempty=True, positive=key == "step_s")
+        for key in ("hooked_step_s", "hooked_backward_s"):
+            v.optional(comp, f"compute.{key}", v.seconds_array)
+        names: set[str] = set()
+        for i, p in enumerate(v.array(comp, "compute.params", nonempty=True)):
+            path = f"compute.params[{i}]"
+            v.is_obj(p, path)
+            name = v.string(p, f"{path}.name")
+            if name in names:
+                _fail(v.source, f"{path}.name", f"{name!r} appears twice")
+            names.add(name)
+            v.shape(p, f"{path}.shape")
+            if p.get("ready_s", 0.0) is not None:  # null: the parameter never got a gradient
+                v.number(p, f"{path}.ready_s", low=0.0, high=MAX_SECONDS)
+        for i, m in enumerate(v.optional(comp, "compute.modules", v.array) or ()):
+            path = f"compute.modules[{i}]"
+            v.is_obj(m, path)
+            v.string(m, f"{path}.name")
+            for key in ("forward_s", "backward_s"):
+                if m.get(key) is not None:
+                    v.number(m, f"{path}.{key}", low=0.0, high=MAX_SECONDS)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p["name"] for p in self.params)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> shape, in module order."""
+        return {p["name"]: tuple(int(d) for d in p["shape"]) for p in self.params}
+
+
+@dataclass(frozen=True)
+class Codecs(Section):
+    """Each compressor's measured cost and error on the profiled gradients."""
+
+    KEY: ClassVar[str] = "codecs"
+    world_size: int | None = None  # ranks the wire sizes were measured for
+    grid: tuple[Any, ...] = ()  # the compressor specs measured
+    skipped: tuple[Any, ...] = ()  # the specs the time budget cut
+    # {"spec", "shape", "encode_decode_s", "wire_bytes", "measured"?, "sample"?, ...}
+    shapes: tuple[Mapping[str, Any], ...] = ()
+    # {"spec", "param", "rel_error", "cum_error"?, "measured"?, "sample"?}
+    errors: tuple[Mapping[str, Any], ...] = ()
+    # parameter name -> {"row_density_max", "row_density_mean"?, ...}
+    structure: Mapping[str, Any] = field(default_factory=dict)
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # {"above"?, "numel"?}
+    grad_norms: Mapping[str, float] = field(default_factory=dict)  # parameter name -> norm
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = field(default="profile", compare=False)
+
+    @classmethod
+    def _check(cls, v: _Validator, codecs: Mapping[str, Any]) -> None:
+        v.optional(codecs, "codecs.world_size", v.integer, low=1)
+        for key in ("grid", "skipped"):  # the configurations measured, and those the budget cut
+            for i, spec in enumerate(v.optional(codecs, f"codecs.{key}", v.array) or ()):
+                v.spec_value(spec, f"codecs.{key}[{i}]")
+        for i, s in enumerate(v.optional(codecs, "codecs.shapes", v.array) or ()):
+            path = f"codecs.shapes[{i}]"
+            v.is_obj(s, path)
+            v.spec(s, f"{path}.spec")
+            v.shape(s, f"{path}.shape")
+            v.number(s, f"{path}.encode_decode_s", low=0.0, high=MAX_SECONDS)
+            v.number(s, f"{path}.wire_bytes", low=0.0, high=MAX_BYTES)
+            # data-dependent compressors: the fraction of rows non-zero in the tensor timed,
+            # and the time of a copy with more rows filled
+            v.optional(s, f"{path}.row_density", v.number, low=0.0, high=1.0)
+            if v.optional(s, f"{path}.denser", v.obj) is not None:
+                v.number(s["denser"], f"{path}.denser.row_density", low=0.0, high=1.0)
+                v.number(s["denser"], f"{path}.denser.encode_decode_s", low=0.0, high=MAX_SECONDS)
+            # how the time was measured: absent (profiles before row sampling) is "full"
+            if v.optional(s, f"{path}.measured", v.choice, options=("full", "sample")) == "sample":
+                sample = v.obj(s, f"{path}.sample")
+                v.string(sample, f"{path}.sample.param")
+                v.integer(sample, f"{path}.sample.rows", low=1)
+                v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
+                v.number(sample, f"{path}.sample.encode_decode_s", low=0.0, high=MAX_SECONDS)
+        for i, e in enumerate(v.optional(codecs, "codecs.errors", v.array) or ()):
+            path = f"codecs.errors[{i}]"
+            v.is_obj(e, path)
+            v.spec(e, f"{path}.spec")
+            v.string(e, f"{path}.param")
+            v.number(e, f"{path}.rel_error", low=0.0, high=MAX_RATIO)
+            v.optional(e, f"{path}.cum_error", v.number, low=0.0, high=MAX_RATIO)
+            mode = v.optional(e, f"{path}.measured", v.choice,
+                              options=("full", "live_rows", "sample"))
+            if mode in ("live_rows", "sample"):
+                sample = v.obj(e, f"{path}.sample")
+                of_rows = v.integer(sample, f"{path}.sample.of_rows", low=1, high=MAX_NUMEL)
+                v.integer(sample, f"{path}.sample.rows", low=1, high=of_rows)
+                v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
+                v.optional(sample, f"{path}.sample.energy_ratio", v.number, low=0.0, high=MAX_RATIO)
+        # gradient structure: absent in profiles from before it was measured; that its
+        # keys are profiled parameters is the profile's check (it needs compute)
+        structure = v.optional(codecs, "codecs.structure", v.obj) or {}
+        for name, entry in structure.items():  # keys are parameter names, which hold dots
+            path = f"codecs.structure[{name!r}]"
+            v.is_obj(entry, path)
+            # fractions of rows; the cost model reads the busiest rank's, the others describe
+            most = v.number(entry, f"{path}.row_density_max", low=0.0, high=1.0)
+            mean = v.optional(entry, f"{path}.row_density_mean", v.number, low=0.0, high=1.0)
+            if mean is not None and mean > most + 1e-9:
+                _fail(v.source, f"{path}.row_density_mean",
+                      f"{mean:g} is above row_density_max {most:g}: a mean cannot exceed the maximum")
+            # the population spread of values in [0, 1] is at most 1/2
+            v.optional(entry, f"{path}.row_density_std", v.number, low=0.0, high=0.5)
+            v.optional(entry, f"{path}.steps", v.integer, low=1)
+            v.optional(entry, f"{path}.ranks", v.integer, low=1)
+        sampling = v.optional(codecs, "codecs.sampling", v.obj) or {}
+        v.optional(sampling, "codecs.sampling.above", v.integer, low=1)
+        v.optional(sampling, "codecs.sampling.numel", v.integer, low=1)
+        norms = v.optional(codecs, "codecs.grad_norms", v.obj) or {}
+        for name, norm in norms.items():  # keys are parameter names, which hold dots
+            v.value(norm, f"codecs.grad_norms[{name!r}]", low=0.0, high=MAX_RATIO)
+
+
+@dataclass(frozen=True)
+class Calibration(Section):
+    """Measured (policy, step time) pairs that fit the cost model's residual."""
+
+    KEY: ClassVar[str] = "calibration"
+    # {"policy" (null: plain DDP), "step_s", "source"?, ...}
+    results: tuple[Mapping[str, Any], ...] = None  # type: ignore[assignment]  # required
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = field(default="profile", compare=False)
+
+    @classmethod
+    def _check(cls, v: _Validator, cal: Mapping[str, Any]) -> None:
+        for i, row in enumerate(v.array(cal, "calibration.results")):
+            path = f"calibration.results[{i}]"
+            v.is_obj(row, path)
+            v.number(row, f"{path}.step_s", low=0.0, low_open=True, high=MAX_SECONDS)
+            if row.get("policy") is not None:
+                v.policy(row["policy"], f"{path}.policy")
+
+
+_SECTION_TYPES: dict[str, type[Section]] = {
+    "env": Env, "workload": Workload, "network": Network, "compute": Compute,
+    "codecs": Codecs, "calibration": Calibration,
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated, read-only profile of typed sections (see module doc). Each section
+    may be given as its JSON object; it is validated and typed on construction."""
+
+    env: Env
+    workload: Workload
+    network: Network
+    compute: Compute
+    codecs: Codecs = field(default_factory=dict)  # type: ignore[assignment]
+    calibration: Calibration = field(default_factory=lambda: {"results": []})  # type: ignore[assignment]
+    source: str = field(default="profile", compare=False)  # where it was read from
+
+    def __post_init__(self) -> None:
+        for name, kind in _SECTION_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, kind):
+                if value.origin != self.source:
+                    value = kind.from_dict(value.to_dict(), origin=self.source)
+            else:
+                value = kind.from_dict(value, origin=self.source)
+            object.__setattr__(self, name, value)
+        # what one section says of another
+        if self.env.world_size > 1 and not self.network.fits:
+            _fail(self.source, "network.fits", "empty, but the job has more than one rank")
+        names = set(self.compute.param_names)
+        for name, entry in self.codecs.structure.items():
+            path = f"codecs.structure[{name!r}]"
+            if name not in names:
+                _fail(self.source, path, f"not a profiled parameter (compute.params has no {name!r})")
+            if entry.get("ranks") is not None and entry["ranks"] > self.env.world_size:
+                _fail(self.source, f"{path}.ranks", f"expected an integer in [1, "
+                      f"{self.env.world_size}], got {_short(entry['ranks'])}")
 
     # ------------------------------------------------------------- (de)serialise
     @classmethod
@@ -94,7 +409,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": PROFILE_VERSION}
         for name in _SECTIONS:
-            out[name] = thaw(getattr(self, name))
+            out[name] = getattr(self, name).to_dict()
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -109,20 +424,20 @@ class Profile:
     def fingerprint(self) -> str:
         """12 hex digits identifying the environment and the model's parameters."""
         key = {
-            "env": {k: v for k, v in self.env.items() if k not in ("created", "wall_s")},
-            "workload": thaw(self.workload),
-            "params": [(p["name"], list(p["shape"])) for p in self.compute["params"]],
+            "env": {k: v for k, v in self.env.to_dict().items() if k not in ("created", "wall_s")},
+            "workload": self.workload.to_dict(),
+            "params": [(p["name"], list(p["shape"])) for p in self.compute.params],
         }
         return hashlib.sha256(dumps(key, indent=None).encode()).hexdigest()[:12]
 
     @property
     def world_size(self) -> int:
-        return int(self.env["world_size"])
+        return self.env.world_size
 
     def fit(self, collective: str, link_class: str = "inter") -> Mapping[str, Any]:
         """The fitted latency/bandwidth of a collective (p2p: of a link class, falling
         back to the other class when the cluster has only one)."""
-        fits = self.network["fits"]
+        fits = self.network.fits
         if collective not in fits:
             raise ProfileError(f"{self.source}: no fit for {collective!r} in network.fits")
         f = fits[collective]
@@ -144,7 +459,7 @@ class Profile:
             ProfileError: naming the first difference and how many there are.
         """
         theirs = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-        ours = {p["name"]: tuple(p["shape"]) for p in self.compute["params"]}
+        ours = self.compute.shapes
         if theirs == ours:
             return
         missing = [n for n in ours if n not in theirs]
@@ -157,13 +472,13 @@ class Profile:
             n = reshaped[0]
             detail = f"{len(reshaped)} parameter(s) differ in shape, e.g. {n!r}: {theirs[n]} vs {ours[n]}"
         raise ProfileError(
-            f"{self.source}: {what} is not the profiled model ({self.workload['name']}): {detail}; "
+            f"{self.source}: {what} is not the profiled model ({self.workload.name}): {detail}; "
             "profile this workload first"
         )
 
     def compute_floor_s(self) -> float:
         """Median compute-only step time (ranks side by side, no communication)."""
-        return _median(self.compute["step_s"])
+        return _median(self.compute.step_s)
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -179,143 +494,6 @@ MAX_SECONDS = 1e6
 MAX_BYTES = 2**50
 MAX_NUMEL = 2**48
 MAX_RATIO = 1e6  # relative errors, gradient norms
-
-
-def _validate(data: Mapping[str, Any], source: str) -> None:
-    """Check every field that autotune reads from a profile, with the type it needs."""
-    v = _Validator(source)
-    env = v.obj(data, "env")
-    for key in ("torch", "backend", "device"):
-        v.string(env, f"env.{key}")
-    world = v.integer(env, "env.world_size", low=1)
-    v.integer(env, "env.hosts", low=1, high=world)
-    if env.get("link") is not None:
-        try:
-            parse_link(v.string(env, "env.link"))
-        except AutotuneError as exc:
-            _fail(source, "env.link", str(exc))
-    wl = v.obj(data, "workload")
-    v.string(wl, "workload.name")
-    v.optional(wl, "workload.spec", v.string)
-
-    net = v.obj(data, "network")
-    fits = v.obj(net, "network.fits")
-    if world > 1 and not fits:
-        _fail(source, "network.fits", "empty, but the job has more than one rank")
-    for name, fit in fits.items():
-        path = f"network.fits.{name}"
-        entries = v.obj(fits, path).items() if name == "p2p" else [(None, fit)]
-        for cls, f in entries:
-            p = path if cls is None else f"{path}.{cls}"
-            if not isinstance(f, Mapping):
-                _fail(source, p, f"expected an object, got {json_type(f)}")
-            v.number(f, f"{p}.latency_s", low=0.0, high=MAX_SECONDS)
-            v.number(f, f"{p}.bandwidth_Bps", low=0.0, low_open=True, high=MAX_BYTES)
-            v.optional(f, f"{p}.busbw_Bps", v.number, low=0.0, low_open=True, high=MAX_BYTES)
-    for i, s in enumerate(v.array(net, "network.samples")):
-        path = f"network.samples[{i}]"
-        v.is_obj(s, path)
-        v.string(s, f"{path}.collective")
-        v.integer(s, f"{path}.bytes", low=0, high=MAX_BYTES)
-        v.seconds_array(s, f"{path}.times_s")
-        v.optional(s, f"{path}.link_class", v.string)
-
-    comp = v.obj(data, "compute")
-    for key in ("step_s", "forward_s", "backward_s", "optimizer_s"):
-        v.seconds_array(comp, f"compute.{key}", nonempty=True, positive=key == "step_s")
-    for key in ("hooked_step_s", "hooked_backward_s"):
-        v.optional(comp, f"compute.{key}", v.seconds_array)
-    params = v.array(comp, "compute.params", nonempty=True)
-    names: set[str] = set()
-    for i, p in enumerate(params):
-        path = f"compute.params[{i}]"
-        v.is_obj(p, path)
-        name = v.string(p, f"{path}.name")
-        if name in names:
-            _fail(source, f"{path}.name", f"{name!r} appears twice")
-        names.add(name)
-        v.shape(p, f"{path}.shape")
-        if p.get("ready_s", 0.0) is not None:  # null: the parameter never got a gradient
-            v.number(p, f"{path}.ready_s", low=0.0, high=MAX_SECONDS)
-    for i, m in enumerate(v.optional(comp, "compute.modules", v.array) or ()):
-        path = f"compute.modules[{i}]"
-        v.is_obj(m, path)
-        v.string(m, f"{path}.name")
-        for key in ("forward_s", "backward_s"):
-            if m.get(key) is not None:
-                v.number(m, f"{path}.{key}", low=0.0, high=MAX_SECONDS)
-
-    codecs = v.obj(data, "codecs")
-    v.optional(codecs, "codecs.world_size", v.integer, low=1)
-    for key in ("grid", "skipped"):  # the configurations measured, and those the budget cut
-        for i, spec in enumerate(v.optional(codecs, f"codecs.{key}", v.array) or ()):
-            v.spec_value(spec, f"codecs.{key}[{i}]")
-    for i, s in enumerate(v.optional(codecs, "codecs.shapes", v.array) or ()):
-        path = f"codecs.shapes[{i}]"
-        v.is_obj(s, path)
-        v.spec(s, f"{path}.spec")
-        v.shape(s, f"{path}.shape")
-        v.number(s, f"{path}.encode_decode_s", low=0.0, high=MAX_SECONDS)
-        v.number(s, f"{path}.wire_bytes", low=0.0, high=MAX_BYTES)
-        # data-dependent compressors: the fraction of rows non-zero in the tensor timed,
-        # and the time of a copy with more rows filled
-        v.optional(s, f"{path}.row_density", v.number, low=0.0, high=1.0)
-        if v.optional(s, f"{path}.denser", v.obj) is not None:
-            v.number(s["denser"], f"{path}.denser.row_density", low=0.0, high=1.0)
-            v.number(s["denser"], f"{path}.denser.encode_decode_s", low=0.0, high=MAX_SECONDS)
-        # how the time was measured: absent (profiles before row sampling) is "full"
-        if v.optional(s, f"{path}.measured", v.choice, options=("full", "sample")) == "sample":
-            sample = v.obj(s, f"{path}.sample")
-            v.string(sample, f"{path}.sample.param")
-            v.integer(sample, f"{path}.sample.rows", low=1)
-            v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
-            v.number(sample, f"{path}.sample.encode_decode_s", low=0.0, high=MAX_SECONDS)
-    for i, e in enumerate(v.optional(codecs, "codecs.errors", v.array) or ()):
-        path = f"codecs.errors[{i}]"
-        v.is_obj(e, path)
-        v.spec(e, f"{path}.spec")
-        v.string(e, f"{path}.param")
-        v.number(e, f"{path}.rel_error", low=0.0, high=MAX_RATIO)
-        v.optional(e, f"{path}.cum_error", v.number, low=0.0, high=MAX_RATIO)
-        mode = v.optional(e, f"{path}.measured", v.choice,
-                          options=("full", "live_rows", "sample"))
-        if mode in ("live_rows", "sample"):
-            sample = v.obj(e, f"{path}.sample")
-            of_rows = v.integer(sample, f"{path}.sample.of_rows", low=1, high=MAX_NUMEL)
-            v.integer(sample, f"{path}.sample.rows", low=1, high=of_rows)
-            v.integer(sample, f"{path}.sample.numel", low=1, high=MAX_NUMEL)
-            v.optional(sample, f"{path}.sample.energy_ratio", v.number, low=0.0, high=MAX_RATIO)
-    # gradient structure: absent in profiles from before it was measured
-    structure = v.optional(codecs, "codecs.structure", v.obj) or {}
-    for name, entry in structure.items():  # keys are parameter names, which hold dots
-        path = f"codecs.structure[{name!r}]"
-        if name not in names:
-            _fail(source, path, f"not a profiled parameter (compute.params has no {name!r})")
-        v.is_obj(entry, path)
-        # fractions of rows; the cost model reads the busiest rank's, the others describe
-        most = v.number(entry, f"{path}.row_density_max", low=0.0, high=1.0)
-        mean = v.optional(entry, f"{path}.row_density_mean", v.number, low=0.0, high=1.0)
-        if mean is not None and mean > most + 1e-9:
-            _fail(source, f"{path}.row_density_mean",
-                  f"{mean:g} is above row_density_max {most:g}: a mean cannot exceed the maximum")
-        # the population spread of values in [0, 1] is at most 1/2
-        v.optional(entry, f"{path}.row_density_std", v.number, low=0.0, high=0.5)
-        v.optional(entry, f"{path}.steps", v.integer, low=1)
-        v.optional(entry, f"{path}.ranks", v.integer, low=1, high=world)
-    sampling = v.optional(codecs, "codecs.sampling", v.obj) or {}
-    v.optional(sampling, "codecs.sampling.above", v.integer, low=1)
-    v.optional(sampling, "codecs.sampling.numel", v.integer, low=1)
-    norms = v.optional(codecs, "codecs.grad_norms", v.obj) or {}
-    for name, norm in norms.items():  # keys are parameter names, which hold dots
-        v.value(norm, f"codecs.grad_norms[{name!r}]", low=0.0, high=MAX_RATIO)
-
-    cal = v.obj(data, "calibration")
-    for i, row in enumerate(v.array(cal, "calibration.results")):
-        path = f"calibration.results[{i}]"
-        v.is_obj(row, path)
-        v.number(row, f"{path}.step_s", low=0.0, low_open=True, high=MAX_SECONDS)
-        if row.get("policy") is not None:
-            v.policy(row["policy"], f"{path}.policy")
 
 
 class _Validator:

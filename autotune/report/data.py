@@ -263,7 +263,7 @@ def gather(
     if "ddp" not in baselines or baselines["ddp"] is not None:
         raise AutotuneError("the report compares with plain DDP: baselines must map 'ddp' to None")
     if policy is not None:
-        known = {p["name"] for p in profile.compute["params"]}
+        known = set(profile.compute.param_names)
         unknown = sorted(set(policy.layers) - known)
         if unknown:
             raise AutotuneError(f"the policy names parameters the profiled model lacks: "
@@ -287,8 +287,8 @@ def gather(
     if policy is not None:
         point = (model.predict(policy).step_s, ErrorModel(profile).of(policy))
     return ReportData(
-        workload=str(profile.workload.get("name", "?")),
-        env=dict(profile.env),
+        workload=profile.workload.name,
+        env=profile.env.to_dict(),
         link_bps=model.link_bps,
         floor_s=model.compute.floor_s,
         timelines=tuple(timelines),
@@ -346,14 +346,14 @@ def _sweep(model: CostModel, configs: Mapping[str, Policy | None]) -> Sweep | No
 
 def _layers(profile: Profile, model: CostModel, policy: Policy | None) -> list[LayerRow]:
     measured: dict[tuple[str, str], tuple[float, float]] = {}
-    for e in profile.codecs.get("errors", []):
+    for e in profile.codecs.errors:
         rel = float(e["rel_error"])
         measured[(label_of(e["spec"]), e["param"])] = (rel, float(e.get("cum_error", rel)))
-    modules = {m["name"]: m.get("backward_s") for m in profile.compute.get("modules", [])}
+    modules = {m["name"]: m.get("backward_s") for m in profile.compute.modules}
     # the model's ready times: scaled to steps without the probe's per-layer hooks
     ready = {p.name: p.ready_s for p in model.compute.params}
     rows = []
-    for p in profile.compute["params"]:
+    for p in profile.compute.params:
         name = p["name"]
         shape = tuple(int(d) for d in p["shape"])
         size = 2 if str(p.get("dtype", "float32")) in ("float16", "bfloat16") else 4
@@ -371,7 +371,7 @@ def _layers(profile: Profile, model: CostModel, policy: Policy | None) -> list[L
 
 def _measured(profile: Profile, model: CostModel, configs: Mapping[str, Policy | None],
               bench: Mapping[str, Any]) -> list[Measured]:
-    workload = str(profile.workload.get("name"))
+    workload = profile.workload.name
     runs: list[tuple[str | None, int, dict[str, float], dict[str, Policy | None], str]] = []
     if "results" in bench:
         if bench.get("workload") not in (None, workload):
@@ -400,7 +400,7 @@ def _measured(profile: Profile, model: CostModel, configs: Mapping[str, Policy |
     out = []
     for link, world, medians, extra, source in runs:
         rate = rate_of(link)
-        same = rate == rate_of(profile.env.get("link")) and world == profile.world_size
+        same = rate == rate_of(profile.env.link) and world == profile.world_size
         # at the profiled cluster: calibrated; on another link: the timeline's what-if;
         # on an unshaped link other than the profiled one: no rate to predict at
         predictable = same or bool(rate and model.link_bps)

@@ -78,10 +78,10 @@ class SearchSpace:
 
         ``pinned`` maps parameter names to compressor specs (dicts or CompressorSpec)
         that the search must not change."""
-        measured = {label_of(s["spec"]) for s in profile.codecs.get("shapes", [])}
+        measured = {label_of(s["spec"]) for s in profile.codecs.shapes}
         specs = {label_of(c): CompressorSpec.from_dict(c).canonical() for c in choices}
         specs = {k: v for k, v in specs.items() if k in measured or k == PLAIN.name}
-        params = {p["name"]: tuple(int(d) for d in p["shape"]) for p in profile.compute["params"]}
+        params = profile.compute.shapes
         densities = row_densities(profile)
         members: dict[str, list[str]] = {}
         for name, shape in params.items():
@@ -177,10 +177,10 @@ class ErrorModel:
     def __init__(self, profile: Profile, metric: str = "cum_error") -> None:
         self.metric = metric
         self.errors: dict[tuple[str, str], float] = {}
-        for e in profile.codecs.get("errors", []):
+        for e in profile.codecs.errors:
             self.errors[(label_of(e["spec"]), e["param"])] = float(e.get(metric, e["rel_error"]))
-        norms = profile.codecs.get("grad_norms") or {}
-        params = profile.compute["params"]
+        norms = profile.codecs.grad_norms
+        params = profile.compute.params
         # without norms, weight by size (a gradient's norm grows like sqrt(numel))
         self.weights = {p["name"]: float(norms.get(p["name"], math.sqrt(math.prod(p["shape"]))))
                         for p in params}
