@@ -41,7 +41,7 @@ PROFILE_VERSION = 1
 # codec probe measures it (codecs.structure); it lives here, with the profile, so that
 # showing a profile needs no torch.
 ROW_SPARSE_BELOW = 0.5
-_SECTIONS = ("env", "workload", "network", "compute", "codecs", "calibration")
+_META = ("extra", "origin")  # a section's fields that are not JSON keys of their own
 
 
 class Section:
@@ -78,7 +78,7 @@ class Section:
 
     @classmethod
     def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name not in ("extra", "origin"))
+        return tuple(f.name for f in fields(cls) if f.name not in _META)
 
     @classmethod
     def from_dict(cls, data: Any, origin: str = "profile") -> Any:
@@ -95,14 +95,12 @@ class Section:
     def _plain(self) -> dict[str, Any]:
         out = {k: thaw(v) for k, v in self.extra.items()}
         for f in fields(self):
-            if f.name in ("extra", "origin"):
+            if f.name in _META:
                 continue
             value = getattr(self, f.name)
-            if value is None and f.name not in self.ALWAYS:
-                continue
-            if f.default is not None and f.default is not MISSING and not value:
-                continue  # an optional collection left empty
-            if f.default_factory is not MISSING and not value:
+            # an optional collection: one whose default is an empty array or object
+            collection = f.default_factory is not MISSING or f.default not in (None, MISSING)
+            if (value is None and f.name not in self.ALWAYS) or (collection and not value):
                 continue
             out[f.name] = thaw(value)
         return out
@@ -346,9 +344,8 @@ class Calibration(Section):
 
 
 _SECTION_TYPES: dict[str, type[Section]] = {
-    "env": Env, "workload": Workload, "network": Network, "compute": Compute,
-    "codecs": Codecs, "calibration": Calibration,
-}
+    kind.KEY: kind for kind in (Env, Workload, Network, Compute, Codecs, Calibration)}
+_SECTIONS = tuple(_SECTION_TYPES)
 
 
 @dataclass(frozen=True)
@@ -367,23 +364,18 @@ class Profile:
     def __post_init__(self) -> None:
         for name, kind in _SECTION_TYPES.items():
             value = getattr(self, name)
-            if isinstance(value, kind):
-                if value.origin != self.source:
-                    value = kind.from_dict(value.to_dict(), origin=self.source)
-            else:
-                value = kind.from_dict(value, origin=self.source)
-            object.__setattr__(self, name, value)
+            if not isinstance(value, kind):  # a typed section validated when it was built
+                object.__setattr__(self, name, kind.from_dict(value, origin=self.source))
         # what one section says of another
         if self.env.world_size > 1 and not self.network.fits:
             _fail(self.source, "network.fits", "empty, but the job has more than one rank")
+        v = _Validator(self.source)
         names = set(self.compute.param_names)
         for name, entry in self.codecs.structure.items():
             path = f"codecs.structure[{name!r}]"
             if name not in names:
                 _fail(self.source, path, f"not a profiled parameter (compute.params has no {name!r})")
-            if entry.get("ranks") is not None and entry["ranks"] > self.env.world_size:
-                _fail(self.source, f"{path}.ranks", f"expected an integer in [1, "
-                      f"{self.env.world_size}], got {_short(entry['ranks'])}")
+            v.optional(entry, f"{path}.ranks", v.integer, low=1, high=self.env.world_size)
 
     # ------------------------------------------------------------- (de)serialise
     @classmethod
