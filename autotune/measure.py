@@ -17,7 +17,7 @@ import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotune.errors import AutotuneError
 from autotune.launch import Placement, launch, set_rank_threads
+from autotune.policies import Policy
 from autotune.presets import PRESETS, preset
-
-if TYPE_CHECKING:
-    from autotune.policies import Policy
+from autotune.runtime import wrap as runtime_wrap
+from autotune.trials import ratio_interval
+from autotune.workloads import resolve_workload
 
 __all__ = ["Setup", "bench_setups", "rank_measure", "run_bench", "summarize"]
 
@@ -163,9 +164,6 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
     elif setup.kind == "hook":
         model, note, timer = _stock_hook(setup, module)
     else:
-        from autotune.policies import Policy
-        from autotune.runtime import wrap as runtime_wrap
-
         policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
         online = {"online": True, **setup.online} if setup.online else {}
         model = (wrap or runtime_wrap)(module, policy, **online)
@@ -229,8 +227,6 @@ def rank_measure(
         the bytes each compressor handed to collectives in the last step; ``rounds``
         (rounds run) and ``measure_s`` (seconds spent measuring).
     """
-    from autotune.workloads import resolve_workload
-
     parsed = [Setup.from_dict(s) for s in setups]
     online = [s.name for s in parsed if s.online]
     if online and wrap is None:
@@ -334,8 +330,6 @@ def run_bench(
 
 def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:
     """The set-ups of ``separate`` not yet shown slower than the fastest of them."""
-    from autotune.trials import ratio_interval
-
     named = {n: t for n, t in times.items() if n in separate}
     if not named:
         return set()

@@ -18,7 +18,7 @@ from test_models import synthetic_profile
 
 import autotune
 from autotune.errors import AutotuneError
-from autotune.online.controller import OnlineConfig
+from autotune.online.config import OnlineConfig
 from autotune.policies import Policy
 from autotune.workloads import resolve_workload
 

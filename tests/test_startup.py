@@ -1,6 +1,7 @@
 """What starting autotune imports: ``autotune --help`` and ``autotune show`` load no heavy
-library they do not need (torch included), validating a policy loads no torch, and the
-training path never loads optuna or scikit-learn.
+library they do not need (torch included), a subcommand loads only its own module,
+validating a policy loads no torch, and the training path never loads optuna or
+scikit-learn.
 
 Checked by module name in a fresh interpreter (``-X importtime`` lists every module it
 imports), not by timing: this machine's CPU speed drifts.
@@ -17,6 +18,7 @@ import pytest
 from test_cli_show import POLICY
 from test_models import synthetic_profile
 
+from autotune.cli._base import COMMANDS
 from autotune.policies import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +39,44 @@ def imported(*argv: str) -> frozenset[str]:
     return frozenset(names)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["tune", "--help"], ["--version"]])
+@pytest.mark.parametrize("argv", [["--help"], ["show", "--help"], ["--version"]])
 def test_help_imports_no_torch_optuna_or_sklearn(argv: list[str]) -> None:
     heavy = set(HEAVY) & imported("-m", "autotune", *argv)
     assert not heavy, f"autotune {' '.join(argv)} imported {sorted(heavy)}"
+
+
+def _modules(*argv: str) -> set[str]:
+    """The subcommand modules (``autotune.cli.<name>``) that ``autotune *argv`` loads.
+
+    Read from ``sys.modules`` after the command, in a fresh interpreter: ``-X importtime``
+    does not list a module loaded by ``importlib.import_module``, as the subcommands are.
+    """
+    code = ("import contextlib, io, sys\nfrom autotune.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    status = main({list(argv)!r})\n"
+            "print(status, *sorted(m for m in sys.modules if m.startswith('autotune.cli.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    status, *names = proc.stdout.split()
+    assert status == "0", proc.stderr[-2000:]
+    return set(names) & {f"autotune.cli.{n}" for n in COMMANDS}
+
+
+def test_main_help_loads_no_subcommand_module() -> None:
+    assert not _modules("--help")
+
+
+def test_a_subcommand_loads_its_own_module_and_the_ones_it_uses() -> None:
+    # tune prints verification tables and checks the out path like profile does; it does
+    # not load bench, demo, launch, report, show or simulate
+    assert _modules("tune", "--help") == {"autotune.cli.tune",
+                                                            "autotune.cli.profile"}
+
+
+def test_tune_help_imports_no_optuna() -> None:
+    # the tuner imports optuna when it runs a study, not when it is imported
+    assert "optuna" not in imported("-m", "autotune", "tune", "--help")
 
 
 @pytest.fixture(scope="module")  # module scope: the cached command lines name these paths

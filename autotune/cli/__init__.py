@@ -3,24 +3,28 @@
 Each subcommand lives in a module of this package with two functions:
 ``add_<name>_parser(subparsers)`` declares its arguments and sets ``func=cmd_<name>``;
 ``cmd_<name>(args) -> int`` runs it and returns the exit status. To add one, write the
-module and append its ``add_<name>_parser`` to :data:`SUBCOMMANDS`.
+module and add its name, summary and ``add_<name>_parser`` to
+:data:`~autotune.cli._base.COMMANDS`. Only the module of the subcommand that is run is
+loaded (as pip loads its commands), so each imports what it needs at its top.
 
 Exit status: 0 success, 1 failure (e.g. a rank of the job failed), 2 bad input (any other
 :class:`~autotune.errors.AutotuneError`, a bad path, a usage error), 130 interrupted;
 ``autotune launch`` exits with its script's status instead of 1 when a rank fails.
 Errors are reported as exactly one line, ``autotune: error: <message>``, on stderr, never
-as a traceback. Heavy imports (torch, optuna, scikit-learn) happen inside ``cmd_<name>``.
+as a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Iterable, Sequence
 
 from autotune._version import __version__
 from autotune.cli._base import (
+    COMMANDS,
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -28,39 +32,23 @@ from autotune.cli._base import (
     PROG,
     Formatter,
     Parser,
-    Subparsers,
     UsageError,
 )
-from autotune.cli.bench import add_bench_parser
-from autotune.cli.demo import add_demo_parser
-from autotune.cli.launch import add_launch_parser
-from autotune.cli.profile import add_profile_parser
-from autotune.cli.report import add_report_parser
-from autotune.cli.show import add_show_parser
-from autotune.cli.simulate import add_simulate_parser
-from autotune.cli.tune import add_tune_parser
 from autotune.errors import AutotuneError, RankFailure
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser"]
 
 
 # ---------------------------------------------------------------------------- main
 
-SUBCOMMANDS: list[Callable[[Subparsers], argparse.ArgumentParser]] = [
-    add_profile_parser,
-    add_tune_parser,
-    add_simulate_parser,
-    add_bench_parser,
-    add_show_parser,
-    add_report_parser,
-    add_demo_parser,
-    add_launch_parser,
-]
-"""Parser builders of the subcommands, in the order ``--help`` lists them."""
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``autotune`` parser.
 
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``autotune`` parser with every subcommand of :data:`SUBCOMMANDS`."""
+    Args:
+        load: the subcommands whose modules are loaded to declare their arguments
+            (None: all of them); every other one is listed with its summary only.
+    """
+    load = set(COMMANDS) if load is None else set(load)
     parser = Parser(
         prog=PROG,
         description="Adaptive gradient-communication auto-tuner for PyTorch DDP.",
@@ -70,9 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, parser_class=Parser
     )
-    for add in SUBCOMMANDS:
-        add(subparsers)
+    for name, (summary, builder) in COMMANDS.items():
+        if name in load:
+            module, _, function = builder.partition(":")
+            getattr(importlib.import_module(module), function)(subparsers)
+        else:
+            subparsers.add_parser(name, help=summary, add_help=False)
     return parser
+
+
+def _named(argv: Sequence[str]) -> list[str]:
+    """The subcommand ``argv`` runs, as a list: empty without one (``--help``, ``--version``)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return [first] if first in COMMANDS else []
 
 
 def _error(message: str) -> None:
@@ -96,8 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status, for ``sys.exit(main())``.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(_named(argv)).parse_args(argv)
         status = int(args.func(args))
         sys.stdout.flush()  # surface a closed pipe here, where it is handled
         return status

@@ -17,6 +17,28 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 PROG = "autotune"
 
+COMMANDS: dict[str, tuple[str, str]] = {
+    "profile": ("measure the cluster and the model: network, compute and codec probes",
+                "autotune.cli.profile:add_profile_parser"),
+    "tune": ("search the fastest policy within a compression-error budget",
+             "autotune.cli.tune:add_tune_parser"),
+    "simulate": ("predict step time and its breakdown for a policy and the baselines, with what-ifs",
+                 "autotune.cli.simulate:add_simulate_parser"),
+    "bench": ("measure step times of a policy, the baselines and the compute-only floor",
+              "autotune.cli.bench:add_bench_parser"),
+    "show": ("print a policy or a profile", "autotune.cli.show:add_show_parser"),
+    "report": ("write an HTML report: step timelines, step time against bandwidth, the search",
+               "autotune.cli.report:add_report_parser"),
+    "demo": ("profile, tune and benchmark a built-in workload against the baselines",
+             "autotune.cli.demo:add_demo_parser"),
+    "launch": ("run a torchrun-style training script on local ranks or an emulated cluster",
+               "autotune.cli.launch:add_launch_parser"),
+}
+"""Every subcommand, in the order ``--help`` lists them: its one-line summary, and the
+function (``module:name``) that declares its arguments and sets ``func`` to what runs it.
+A subcommand's module imports what it needs at its top; it is loaded only when that
+subcommand is named, so ``autotune --help`` loads none of them."""
+
 
 class UsageError(Exception):
     """A command line argparse rejected; reported like any other bad input."""
@@ -33,10 +55,9 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
     """Show each flag's default, and keep the line breaks of descriptions and examples."""
 
 
-def add_command(
-    subparsers: Subparsers, name: str, summary: str, description: str = ""
-) -> argparse.ArgumentParser:
-    """Add a subcommand parser that formats its help like the main one."""
+def add_command(subparsers: Subparsers, name: str, description: str = "") -> argparse.ArgumentParser:
+    """Add the parser of subcommand ``name`` of :data:`COMMANDS`, formatted like the main one."""
+    summary = COMMANDS[name][0]
     return subparsers.add_parser(
         name,
         help=summary,

@@ -12,7 +12,12 @@ from rich.table import Table
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import add_cluster_arguments, check_out_path, placement
 from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
+from autotune.measure import bench_setups, run_bench
+from autotune.policies import load_policy
 from autotune.presets import DEFAULT_PRESETS, PRESETS
+from autotune.runtime.hook import PHASES
+from autotune.workloads import resolve_workload
 
 # Baselines as users run them: DDP with its defaults, and PyTorch's own hooks, by preset
 # name. The stock bf16 hook needs NCCL, so it is measured only when asked for
@@ -34,7 +39,6 @@ def add_bench_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "bench",
-        "measure step times of a policy, the baselines and the compute-only floor",
         "Train the workload under every configuration in one job, interleaved (A B C A B C),\n"
         "and report median step times (the slowest rank's) next to the compute-only floor.\n"
         "Baselines are PyTorch's own: DDP's defaults, fp16/bf16_compress_hook and powerSGD_hook\n"
@@ -72,8 +76,6 @@ def measure(workload: str, where: Any, baselines: list[str], policy: Any, steps:
             block: int, warmup: int) -> dict[str, Any]:
     """:func:`autotune.measure.run_bench` of the baselines, ``policy`` and the floor,
     ``steps`` per configuration in blocks of ``block``, under a status line."""
-    from autotune.measure import bench_setups, run_bench
-
     setups = bench_setups(baselines, policy)
     rounds = max(1, -(-steps // block))
     with console().status(
@@ -101,8 +103,6 @@ def print_bench(result: dict[str, Any]) -> None:
 def print_breakdown(result: dict[str, Any]) -> None:
     """One table per configuration: each bucket's time by phase in its last measured
     step, and the mean per step over the measured steps (rank 0's view)."""
-    from autotune.runtime.hook import PHASES
-
     out = console()
     for r in result["results"]:
         bd = r.get("breakdown")
@@ -127,9 +127,6 @@ def print_breakdown(result: dict[str, Any]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from autotune.policies import load_policy
-    from autotune.workloads import resolve_workload
-
     work = resolve_workload(args.workload)
     policy = None
     if args.policy is not None:
@@ -147,8 +144,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.breakdown:
         print_breakdown(result)
     if args.json is not None:
-        from autotune.jsonio import write_atomic
-
         write_atomic(args.json, json.dumps(result, indent=1) + "\n", AutotuneError, "results")
         console().print(f"wrote {args.json}")
     return EXIT_OK

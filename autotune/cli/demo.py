@@ -22,13 +22,24 @@ from autotune.cli._base import (
     positive_float,
     positive_int,
 )
+from autotune.cli.bench import DEFAULT_BASELINES, measure, print_bench
+from autotune.cli.profile import cluster, probe
+from autotune.cli.tables import print_verification
+from autotune.emulate import available
+from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
+from autotune.report import require_matplotlib, write_report
+from autotune.report.data import load_study
+from autotune.search.defaults import candidate_pool
+from autotune.search.tuner import baseline_policies, tune
+from autotune.search.verify import DEFAULT_CANDIDATES, verify_result
+from autotune.workloads import resolve_workload
 
 
 def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "demo",
-        "profile, tune and benchmark a built-in workload against the baselines",
         "The main job: on the built-in workload with 2 ranks, take a profile, tune a\n"
         "policy, and measure it next to plain DDP, fp16, PowerSGD rank 1 and 4 (PyTorch's\n"
         "own hooks) and the compute-only floor. As root the two ranks sit on two emulated\n"
@@ -76,19 +87,6 @@ def verdict(bench: dict[str, Any], result: Any, policy: Any) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from autotune.cli.bench import DEFAULT_BASELINES, measure, print_bench
-    from autotune.cli.profile import cluster, probe
-    from autotune.cli.tune import print_verification
-    from autotune.emulate import available
-    from autotune.errors import AutotuneError
-    from autotune.jsonio import write_atomic
-    from autotune.report import require_matplotlib, write_report
-    from autotune.report.data import load_study
-    from autotune.search.defaults import candidate_pool
-    from autotune.search.tuner import baseline_policies, tune
-    from autotune.search.verify import DEFAULT_CANDIDATES, verify_result
-    from autotune.workloads import resolve_workload
-
     out = console()
     try:
         require_matplotlib()

@@ -23,7 +23,9 @@ from autotune.cli._base import (
     positive_float,
     positive_int,
 )
+from autotune.emulate import EmulatedCluster, available
 from autotune.errors import AutotuneError, ClusterError, RankFailure
+from autotune.launch import launch_command, local_placement
 
 # Seconds ranks being ended (a peer failed, Ctrl-C, SIGTERM, the timeout) get between
 # SIGTERM, which lets a script's own handler save its work, and SIGKILL.
@@ -34,7 +36,6 @@ def add_launch_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "launch",
-        "run a torchrun-style training script on local ranks or an emulated cluster",
         "Run SCRIPT on hosts x nproc-per-node ranks with torchrun's environment (RANK,\n"
         "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT);\n"
         "the script initialises its own process group, as under torchrun, and needs no\n"
@@ -102,13 +103,10 @@ def _script_and_args(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def _placement(args: argparse.Namespace) -> Any:
     """A local placement, or an emulated cluster not yet entered; bad input fails here."""
-    from autotune.launch import local_placement
-
     if args.link is None:
         return local_placement(args.hosts * args.nproc_per_node, args.nproc_per_node)
     if args.hosts == 1:
         raise ClusterError("--link shapes the links between emulated hosts: give --hosts 2 or more")
-    from autotune.emulate import EmulatedCluster, available
 
     # Building nothing yet, it parses the link (a bad one is a ClusterError).
     cluster = EmulatedCluster(args.hosts, args.link, nproc_per_node=args.nproc_per_node)
@@ -151,8 +149,6 @@ def _say(message: str) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from autotune.launch import launch_command
-
     script, script_args = _script_and_args(args)
     where = _placement(args)
     world = args.hosts * args.nproc_per_node

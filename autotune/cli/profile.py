@@ -16,8 +16,15 @@ from autotune.cli._base import (
     positive_float,
     positive_int,
 )
+from autotune.cli.tables import print_profile
+from autotune.emulate import EmulatedCluster
 from autotune.errors import AutotuneError, ClusterError
+from autotune.jsonio import check_writable
+from autotune.launch import local_placement, under_torchrun
 from autotune.links import parse_link
+from autotune.probes.run import PHASES, take_profile
+from autotune.progress import Bars
+from autotune.workloads import resolve_workload
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +43,6 @@ def add_profile_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "profile",
-        "measure the cluster and the model: network, compute and codec probes",
         "Launch local ranks (or run under torchrun when its environment is set), probe\n"
         "collectives and point-to-point links by message size, per-layer compute and\n"
         "gradient-ready times, and every compressor's cost and error on real gradients;\n"
@@ -69,8 +75,6 @@ def placement(args: argparse.Namespace) -> Iterator[Any]:
 @contextlib.contextmanager
 def cluster(hosts: int, nproc_per_node: int, link: str | None) -> Iterator[Any]:
     """Local ranks (``hosts`` 1), or an emulated cluster that is removed afterwards."""
-    from autotune.launch import local_placement
-
     if hosts == 1:
         if link is not None:
             raise ClusterError("--link shapes the links between emulated hosts: give --hosts 2 or more")
@@ -78,7 +82,6 @@ def cluster(hosts: int, nproc_per_node: int, link: str | None) -> Iterator[Any]:
         return
     if link is None:
         raise ClusterError(f"--hosts {hosts} needs --link RATE (e.g. --link 1gbit)")
-    from autotune.emulate import EmulatedCluster
 
     with EmulatedCluster(hosts, parse_link(link), nproc_per_node=nproc_per_node) as emulated:
         yield emulated
@@ -88,17 +91,12 @@ def check_out_path(path: Path, what: str = "output") -> None:
     """Fail before any work if ``what`` cannot be written to ``path`` (missing directory,
     a file where a directory should be, a directory where the file should be, a
     read-only file system or no permission)."""
-    from autotune.jsonio import check_writable
-
     check_writable(path, AutotuneError, what)
 
 
 def probe(workload: str, where: Any, budget_s: float, steps: int, link: str | None) -> Any:
     """:func:`autotune.probes.run.take_profile` with progress bars (on rank 0 only, under
     torchrun, where ``where`` is None); a Profile, or None on the other ranks."""
-    from autotune.probes.run import PHASES, take_profile
-    from autotune.progress import Bars
-
     if where is None and os.environ.get("RANK", "0") != "0":
         return take_profile(workload, None, budget_s=budget_s, steps=steps, link=link)
     with Bars(console(), PHASES) as bars:
@@ -109,10 +107,6 @@ def probe(workload: str, where: Any, budget_s: float, steps: int, link: str | No
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autotune.cli.tables import print_profile
-    from autotune.launch import under_torchrun
-    from autotune.workloads import resolve_workload
-
     check_out_path(args.out, "profile")
     resolve_workload(args.workload)  # a bad spec fails here, before any rank starts
     if under_torchrun():

@@ -6,13 +6,18 @@ import argparse
 from pathlib import Path
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console
+from autotune.errors import AutotuneError
+from autotune.policies import load_policy
+from autotune.probes.profile import load_profile
+from autotune.report import require_matplotlib, write_report
+from autotune.report.data import load_bench, load_revisions, load_study
+from autotune.search.tuner import baseline_policies
 
 
 def add_report_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "report",
-        "write an HTML report: step timelines, step time against bandwidth, the search",
         "Write OUT/index.html with PNG figures (readable offline): the predicted timeline\n"
         "of one step for plain DDP and the policy; step time against link rate for plain\n"
         "DDP, fp16, PowerSGD rank 1 and 4 and the policy, with the rate below which\n"
@@ -42,15 +47,7 @@ def add_report_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autotune.report import require_matplotlib
-
     require_matplotlib()  # before the heavy imports: a missing extra is told at once
-    from autotune.errors import AutotuneError
-    from autotune.policies import load_policy
-    from autotune.probes.profile import load_profile
-    from autotune.report import write_report
-    from autotune.report.data import load_bench, load_revisions, load_study
-    from autotune.search.tuner import baseline_policies
 
     if args.study_name is not None and args.study is None:
         raise AutotuneError("--study-name needs --study (the Optuna storage URL)")

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console
+from autotune.cli.tables import print_profile, print_verification
 from autotune.errors import PolicyError
 from autotune.jsonio import read_json
-
-if TYPE_CHECKING:
-    from autotune.policies import Policy
+from autotune.policies import Policy
+from autotune.probes.profile import Profile
 
 
 def add_show_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
@@ -23,7 +23,6 @@ def add_show_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "show",
-        "print a policy or a profile",
         "Validate a policy or profile file and print it. A policy: its id, bucket cap,\n"
         "default compressor, and the compressor of every parameter with its own entry.\n"
         "A profile: link classes with fitted bandwidth and latency, the heaviest layers,\n"
@@ -47,16 +46,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Print the policy or profile ``args.policy`` as tables, or as JSON with ``--json``."""
     data = read_json(args.policy, PolicyError, "policy or profile")
     if isinstance(data, dict) and "compute" in data and "layers" not in data:
-        from autotune.cli.tables import print_profile
-        from autotune.probes.profile import Profile
-
         profile = Profile.from_dict(data, source=args.policy)
         if args.json:
             sys.stdout.write(profile.to_json() + "\n")
         else:
             print_profile(console(), profile)
         return EXIT_OK
-    from autotune.policies import Policy
 
     policy = Policy.from_dict(data, source=args.policy)
     if args.json:
@@ -87,8 +82,6 @@ def _print_policy(console: Console, policy: Policy, source: str) -> None:
     for key, value in scalars.items():
         console.print(Text(f"meta.{key}: {value}", style="dim"))
     if policy.meta.get("verified"):
-        from autotune.cli.tune import print_verification
-
         print_verification(console, policy.meta)
     nested = len(policy.meta) - len(scalars) - (1 if policy.meta.get("verified") else 0)
     if nested:

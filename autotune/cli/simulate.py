@@ -15,6 +15,14 @@ from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positi
 from autotune.cli.profile import check_out_path
 from autotune.errors import AutotuneError, ProfileError
 from autotune.links import parse_link
+from autotune.models.cost_model import CostModel
+from autotune.models.external import full_model
+from autotune.models.simulator import WhatIf
+from autotune.models.trace import write_trace
+from autotune.models.zhang2020 import default_vec_add, paper_model, read_zhang2020
+from autotune.policies import Policy, load_policy
+from autotune.probes.profile import load_profile
+from autotune.search.tuner import baseline_policies
 
 
 def _rates(text: str) -> list[float]:
@@ -48,7 +56,6 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "simulate",
-        "predict step time and its breakdown for a policy and the baselines, with what-ifs",
         "Predict one training step from a profile: plain DDP, fp16, PowerSGD rank 1 and 4\n"
         "everywhere, and --policy if given; for every --world-size x --bandwidth point.\n\n"
         "Zhang et al. 2020's V100 logs can be read instead of a profile (--zhang2020);\n"
@@ -101,13 +108,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from autotune.models.cost_model import CostModel
-    from autotune.models.simulator import WhatIf
-    from autotune.models.trace import write_trace
-    from autotune.policies import Policy, load_policy
-    from autotune.probes.profile import load_profile
-    from autotune.search.tuner import baseline_policies
-
     profile = load_profile(args.profile)
     model = CostModel.fit(profile)
     configs: list[tuple[str, Policy | None]] = []
@@ -142,9 +142,6 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _zhang(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from autotune.models.external import full_model
-    from autotune.models.zhang2020 import default_vec_add, paper_model, read_zhang2020
-
     profile = read_zhang2020(args.zhang2020)
     vec_add = default_vec_add(profile)
     worlds = args.world_size or [16, 32, 64]

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from autotune.compressors import CompressorSpec
 from autotune.probes.profile import ROW_SPARSE_BELOW, Profile
 
 __all__ = ["codec_coverage", "print_profile"]
@@ -23,8 +24,6 @@ def _ms(seconds: float) -> str:
 
 
 def _spec_label(spec: Mapping[str, Any]) -> str:
-    from autotune.compressors import CompressorSpec
-
     return CompressorSpec.from_dict(spec).label()
 
 
@@ -246,3 +245,37 @@ def _numel(p: Mapping[str, Any]) -> int:
     for d in p["shape"]:
         n *= int(d)
     return n
+
+
+def print_verification(out: Any, meta: Mapping[str, Any]) -> None:
+    """The measured table of a verified policy's meta, and why the winner won (``autotune tune``,
+    ``show`` and ``demo``)."""
+    report = meta.get("verified") or {}
+    summary = meta.get("verification") or {}
+    rows = {n: r for n, r in report.items() if not n.startswith("_") and isinstance(r, Mapping)}
+    if not rows:
+        return
+    ddp = (rows.get("stock:ddp") or rows.get("ddp") or {}).get("measured_step_s")
+    table = Table(title="measured on the live job, interleaved (median step of the slowest rank)")
+    for col in ("set-up", "kind", "measured ms", "vs plain DDP", "vs fastest (95% interval)",
+                "predicted ms", "error", "within budget"):
+        table.add_column(col, justify="left" if col in ("set-up", "kind") else "right")
+    for name, r in sorted(rows.items(), key=lambda kv: kv[1].get("measured_step_s", 0.0)):
+        mark = "  <- won" if name == summary.get("winner") else ""
+        if name == summary.get("emitted") and name != summary.get("winner"):
+            mark = "  <- written"
+        elif name == summary.get("emitted"):
+            mark = "  <- won, written"
+        interval = r.get("interval_vs_fastest")
+        error = r.get("error")
+        table.add_row(
+            name + mark, str(r.get("kind", "")), f"{r['measured_step_s'] * 1e3:.1f}",
+            f"{r['measured_step_s'] / ddp:.2f}x" if ddp else "",
+            f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "",
+            f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else "",
+            f"{error:.3f}" if error is not None else "",
+            "yes" if r.get("feasible") else "no",
+        )
+    out.print(table)
+    if summary.get("why"):
+        out.print(f"verdict: {summary['why']}", soft_wrap=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,6 +12,9 @@ from rich.table import Table
 
 from autotune.cli._base import EXIT_OK, Subparsers, add_command, console, positive_int
 from autotune.cli.profile import check_out_path, placement
+from autotune.cli.tables import print_verification
+from autotune.errors import AutotuneError
+from autotune.probes.profile import Profile, load_profile
 from autotune.search.defaults import (
     DEFAULT_BUDGET_S,
     DEFAULT_CANDIDATES,
@@ -19,6 +22,9 @@ from autotune.search.defaults import (
     DEFAULT_MAX_ERROR,
     candidate_pool,
 )
+from autotune.search.tuner import tune
+from autotune.search.verify import candidates, learned, verify_result
+from autotune.workloads import resolve_workload
 
 
 def _max_error(text: str) -> float:
@@ -55,7 +61,6 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = add_command(
         subparsers,
         "tune",
-        "search the fastest policy within a compression-error budget",
         "Fit the cost model to a profile, then search bucket size and per-parameter\n"
         "compressors with Optuna (baselines first: plain DDP at several bucket sizes,\n"
         "fp16, bf16, PowerSGD rank 1 and 4), refine layer by layer, then verify: measure\n"
@@ -115,10 +120,6 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from autotune.errors import AutotuneError
-    from autotune.probes.profile import load_profile
-    from autotune.search.tuner import tune
-
     out = console()
     profile = load_profile(args.profile)
     check_out_path(args.out, "policy")
@@ -154,9 +155,6 @@ def _learn(out: Any, path: Path, profile: Any, report: dict[str, Any]) -> None:
     """Add what verification measured of our own policies to the profile's calibration,
     which the cost model's residual is fitted on: every verification teaches the next
     tune. The profile is rewritten atomically."""
-    from autotune.probes.profile import Profile
-    from autotune.search.verify import learned
-
     data = profile.to_dict()
     data["calibration"] = learned(dict(data.get("calibration") or {"results": []}), report)
     Profile.from_dict(data, source=str(path)).save(path)
@@ -178,8 +176,6 @@ def _verify_job(args: argparse.Namespace, profile: Any) -> None:
     what it measures on the live job, so only the ranking that picked the candidates
     was made for the profiled cluster.
     """
-    from autotune.workloads import resolve_workload
-
     env = profile.env
     args.workload = args.workload or profile.workload.spec or profile.workload.name
     args.hosts = args.hosts or (env.hosts if env.link else 1)
@@ -202,8 +198,6 @@ def _verify_job(args: argparse.Namespace, profile: Any) -> None:
 
 
 def _verify(args: argparse.Namespace, profile: Any, result: Any, out: Any) -> tuple[Any, dict[str, Any]]:
-    from autotune.search.verify import candidates, verify_result
-
     count = len(candidates(result, args.verify))
     backend = profile.env.backend
     with placement(args) as where, out.status(
@@ -241,37 +235,3 @@ def _print(out: Any, result: Any, policy: Any, verified: dict[str, Any] | None) 
         table.add_row(name, f"{c.predicted_s * 1e3:.1f}", f"{ref / c.predicted_s:.2f}x",
                       f"{c.error:.3f}", "yes" if c.feasible else "no")
     out.print(table)
-
-
-def print_verification(out: Any, meta: Mapping[str, Any]) -> None:
-    """The measured table of a verified policy's meta, and why the winner won (shared
-    with ``autotune show``)."""
-    report = meta.get("verified") or {}
-    summary = meta.get("verification") or {}
-    rows = {n: r for n, r in report.items() if not n.startswith("_") and isinstance(r, Mapping)}
-    if not rows:
-        return
-    ddp = (rows.get("stock:ddp") or rows.get("ddp") or {}).get("measured_step_s")
-    table = Table(title="measured on the live job, interleaved (median step of the slowest rank)")
-    for col in ("set-up", "kind", "measured ms", "vs plain DDP", "vs fastest (95% interval)",
-                "predicted ms", "error", "within budget"):
-        table.add_column(col, justify="left" if col in ("set-up", "kind") else "right")
-    for name, r in sorted(rows.items(), key=lambda kv: kv[1].get("measured_step_s", 0.0)):
-        mark = "  <- won" if name == summary.get("winner") else ""
-        if name == summary.get("emitted") and name != summary.get("winner"):
-            mark = "  <- written"
-        elif name == summary.get("emitted"):
-            mark = "  <- won, written"
-        interval = r.get("interval_vs_fastest")
-        error = r.get("error")
-        table.add_row(
-            name + mark, str(r.get("kind", "")), f"{r['measured_step_s'] * 1e3:.1f}",
-            f"{r['measured_step_s'] / ddp:.2f}x" if ddp else "",
-            f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "",
-            f"{r['predicted_step_s'] * 1e3:.1f}" if r.get("predicted_step_s") else "",
-            f"{error:.3f}" if error is not None else "",
-            "yes" if r.get("feasible") else "no",
-        )
-    out.print(table)
-    if summary.get("why"):
-        out.print(f"verdict: {summary['why']}", soft_wrap=True)

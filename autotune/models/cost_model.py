@@ -24,6 +24,7 @@ from autotune._version import __version__
 from autotune.compressors import PLAIN, REGISTRY, CompressorSpec
 from autotune.errors import ProfileError
 from autotune.jsonio import dumps, read_json, write_atomic
+from autotune.links import parse_link
 from autotune.models.estimators import (
     RESIDUAL_FEATURES,
     CodecTimeRegressor,
@@ -71,8 +72,6 @@ def _link_bps(profile: Profile) -> float | None:
     bandwidth (what the collective actually got)."""
     link = profile.env.link
     if link:
-        from autotune.links import parse_link
-
         return parse_link(str(link)).rate_bps
     fit = profile.network.fits.get("allreduce")
     return float(fit["busbw_Bps"]) * 8 if fit and "busbw_Bps" in fit else None

@@ -10,17 +10,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from autotune import measure
 from autotune.errors import PolicyError
-from autotune.online.controller import AUTO_KNOBS, Controller, OnlineConfig
+from autotune.online.config import AUTO_KNOBS, OnlineConfig
 from autotune.policies import Policy
 from autotune.probes.profile import Profile, load_profile
 from autotune.runtime import AutotuneDDP
 from autotune.runtime.wrapper import as_policy, check_wrappable
+
+if TYPE_CHECKING:
+    from autotune.online.controller import Controller
 
 __all__ = ["AUTO", "ONLINE_KNOBS", "attach", "rank_measure", "wrap"]
 
@@ -132,6 +135,10 @@ def attach(ddp: AutotuneDDP, profile: Profile | None, config: OnlineConfig, *,
         AutotuneError: the revision log or the policy to save cannot be written, or
             ``ddp`` has a step-boundary callback already.
     """
+    # deferred, within this layer: the controller loads the cost model and the search
+    # (scikit-learn, optuna), which a wrap that does not revise online never needs
+    from autotune.online.controller import Controller
+
     state = ddp.comm_state
     if profile is not None and profile.world_size != state.world_size:
         logger.warning("the profile was taken on %d rank(s), this job has %d: revisions "

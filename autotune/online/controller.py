@@ -53,26 +53,30 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from autotune.errors import AutotuneError
 from autotune.jsonio import check_writable
+from autotune.models.cost_model import CostModel, calibration_pairs
 from autotune.models.simulator import WhatIf
+from autotune.online.config import OnlineConfig
 from autotune.online.explore import Contender, Exploration
 from autotune.online.live import LiveProfiler, live_environment
-from autotune.online.search import trial_contenders
+from autotune.online.search import contender_from_dict, trial_contenders
 from autotune.online.worker import SearchWorker
 from autotune.policies import Policy
+from autotune.probes.network import probe_network
+from autotune.probes.profile import Calibration, Profile
+from autotune.search.defaults import DEFAULT_MAX_ERROR
+from autotune.search.tuner import tune
 
 if TYPE_CHECKING:
-    from autotune.models.cost_model import CostModel
-    from autotune.probes.profile import Profile
     from autotune.runtime.hook import AutotuneState, BucketRecord
 
-__all__ = ["AUTO_KNOBS", "OnlineConfig", "Controller"]
+__all__ = ["Controller"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,90 +91,6 @@ LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwi
 MIN_SIGNAL_S = 0.01
 
 
-@dataclass(frozen=True)
-class OnlineConfig:
-    """Knobs of online revision (``autotune.wrap(..., online=True, **knobs)``).
-
-    Attributes:
-        check_every: steps between checks; each check costs every rank one tiny
-            broadcast. Smaller reacts faster; 5-20 is typical.
-        threshold: relative change of measured/predicted step time that counts as
-            drift. Keep it above the step-time noise: CPU speed here drifts by up to
-            1.5x for seconds at a time, hence 0.5; a link change that matters moves the
-            step far more, or shows in the link signal.
-        link_threshold: relative change of the fitted link rate that counts as drift
-            (1.0: the link got twice as fast or slow); collective times on a loaded
-            host are noisier than step times, and a link change that matters is large.
-        patience: consecutive drifting checks before revising (hysteresis).
-        budget_s: wall seconds the background re-search may take.
-        trials: Optuna trials of a re-search.
-        min_gain: a new policy must be predicted this much faster to be switched to.
-        max_error: compression-error budget of the re-search (default: the policy's).
-        pinned: parameter name -> compressor spec the revision must not change.
-        lead_steps: a policy announced at a check applies this many steps later.
-        log: JSONL file every decision is appended to (None: keep in memory only).
-        explore_steps: ``wrap(model, "auto")`` only: steps the live trials may take in
-            all (after the profile's steps). More steps separate closer contenders;
-            each losing one costs a few degraded steps.
-        trial_steps: auto: timed steps per trial block (each adds a settling step).
-        candidates: auto: tuned candidates tried besides the presets' equivalents.
-        profile_steps: auto: steps of plain DDP timed as the reference, and as many
-            instrumented for the profile (at least 2).
-        network_budget_s: auto: seconds of the network probe every rank joins once.
-        save: auto: where rank 0 writes the chosen policy when it settles.
-    """
-
-    check_every: int = 5
-    threshold: float = 0.5
-    link_threshold: float = 1.0
-    patience: int = 2
-    budget_s: float = 10.0
-    trials: int = 60
-    min_gain: float = 0.05
-    max_error: float | None = None
-    pinned: Mapping[str, Any] = field(default_factory=dict)
-    lead_steps: int = 1
-    log: str | os.PathLike[str] | None = None
-    explore_steps: int = 90
-    trial_steps: int = 2
-    candidates: int = 3
-    profile_steps: int = 4
-    network_budget_s: float = 1.0
-    save: str | os.PathLike[str] | None = None
-
-    def __post_init__(self) -> None:
-        if self.check_every < 1 or self.patience < 1 or self.lead_steps < 1:
-            raise AutotuneError("check_every, patience and lead_steps must be >= 1")
-        if not (self.threshold > 0 and self.link_threshold > 0):
-            raise AutotuneError("threshold and link_threshold must be > 0")
-        for name, low in (("trial_steps", 1), ("candidates", 0), ("profile_steps", 2),
-                          ("trials", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise AutotuneError(f"{name} must be an integer >= {low}, got {value!r}")
-        block = 2 * (self.trial_steps + 1)
-        if isinstance(self.explore_steps, bool) or not isinstance(self.explore_steps, int) or (
-                self.explore_steps < block):
-            raise AutotuneError(
-                f"explore_steps must be an integer >= {block} (one block of the policy in "
-                f"force and one of a contender, trial_steps={self.trial_steps} timed steps "
-                f"plus a settling step each), got {self.explore_steps!r}")
-        for name in ("budget_s", "network_budget_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    0 < value < math.inf):
-                raise AutotuneError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.max_error is not None and not (
-                isinstance(self.max_error, (int, float)) and 0 <= self.max_error < math.inf):
-            raise AutotuneError(f"max_error must be a finite number >= 0, got {self.max_error!r}")
-        if not isinstance(self.pinned, Mapping):
-            raise AutotuneError(f"pinned must map parameter names to compressor specs, "
-                                f"got {type(self.pinned).__name__}")
-
-
-AUTO_KNOBS = frozenset({"explore_steps", "trial_steps", "candidates", "profile_steps",
-                        "network_budget_s", "save"})
-"""The knobs that only ``wrap(model, "auto")`` reads."""
 # A step of an exploration slower than the DDP start's median by more than this counts
 # as degraded (plain DDP's own noise here, CPU speed drifting, stays out of the count);
 # a trial block of plain DDP itself never does: it is the job as it runs without us.
@@ -289,12 +209,6 @@ class Controller:
                 self._worker = SearchWorker()
             except OSError as exc:
                 logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
-        if auto:
-            # what taking the search's reply needs (the cost model: scikit-learn, seconds
-            # to import) is imported now, before training, not between two of its steps;
-            # on every rank, so that they all start training at the same time
-            import autotune.models.cost_model  # noqa: F401
-            import autotune.search.space  # noqa: F401
         if auto and config.save is not None and self.rank == 0:
             check_writable(config.save, AutotuneError, "the policy to save")
         if self.rank == 0:
@@ -376,8 +290,6 @@ class Controller:
 
     def _probe_network(self) -> None:
         """Every rank, at one boundary: auto's network probe (collectives the hook issues)."""
-        from autotune.probes.network import probe_network
-
         started = time.perf_counter()
         sizes = tuple(16 * 1024 * 4**i for i in range(6))  # 16 KiB .. 16 MiB
         result = probe_network(sizes=sizes, budget_s=self.config.network_budget_s, reps=5,
@@ -408,8 +320,6 @@ class Controller:
     # ----------------------------------------------------------- rank 0 logic
     def model(self) -> CostModel:
         if self._model is None:
-            from autotune.models.cost_model import CostModel
-
             if self.profile is None:
                 raise AutotuneError("no profile yet: the auto mode has not measured one")
             self._model = CostModel.fit(self.profile)
@@ -547,9 +457,6 @@ class Controller:
         self._search.start()
 
     def _research(self, current: Policy, link_bps: float | None, reason: dict[str, Any]) -> None:
-        from autotune.models.simulator import WhatIf
-        from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
-
         assert self.profile is not None  # drift is watched only with a profile
         model = self.model()
         what_if = WhatIf(bandwidth_bps=link_bps, compute_speed=reason.get("compute_speed", 1.0))
@@ -725,10 +632,6 @@ class Controller:
 
     def _adopt(self, reply: dict[str, Any]) -> bool:
         """Take the search's profile and contenders (False: it failed)."""
-        from autotune.models.cost_model import CostModel
-        from autotune.online.search import contender_from_dict
-        from autotune.probes.profile import Profile
-
         if "error" in reply:
             logger.warning("auto: the search failed, keeping plain DDP: %s", reply["error"])
             self._log({"event": "search_failed", "step": self.step, "error": reply["error"]})
@@ -825,8 +728,6 @@ class Controller:
         return payload, switch, 0, self.config.check_every
 
     def _max_error(self) -> float:
-        from autotune.search.defaults import DEFAULT_MAX_ERROR
-
         return self.config.max_error if self.config.max_error is not None else DEFAULT_MAX_ERROR
 
     def _learn(self, exploration: Exploration, decision: Any) -> None:
@@ -839,16 +740,12 @@ class Controller:
             policy = exploration.contenders[name].policy
             plain = {k: v for k, v in policy.to_dict().items() if k != "meta"}
             results.append({"policy": None if policy.id == Policy().id else plain, "step_s": median})
-        from autotune.probes.profile import Calibration
-
         self.profile = replace(self.profile, calibration=Calibration(
             results=tuple(results), origin=self.profile.source))
         if self._model is None or len(results) < 3:
             return
         # only the residual learns from the trials: refitting every component here,
         # between two steps, would stall training for seconds
-        from autotune.models.cost_model import calibration_pairs
-
         self._model.fit_residual(calibration_pairs(results))
 
     # ----------------------------------------------------------------- logging

@@ -32,7 +32,9 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from autotune.probes.codecs import probe_codecs
 from autotune.probes.profile import Profile
+from autotune.probes.run import environment
 
 __all__ = ["LiveProfiler", "live_environment", "live_profile"]
 
@@ -151,8 +153,6 @@ class LiveProfiler:
 
 def live_environment(network: Mapping[str, Any]) -> dict[str, Any]:
     """The profile's ``env`` section of the live job (any rank, process group up)."""
-    from autotune.probes.run import environment
-
     env = environment(None)
     env.update(hosts=len(set(network["hosts"])), source="wrap(model, 'auto')")
     if dist.get_backend() != "nccl":
@@ -184,8 +184,6 @@ def live_profile(
         codec_budget_s: seconds the codec probe may take.
         calibration: measured ``{"policy", "step_s"}`` pairs (plain DDP: policy None).
     """
-    from autotune.probes.codecs import probe_codecs
-
     codecs = probe_codecs(grads, world_size, budget_s=codec_budget_s)
     return Profile.from_dict({
         "version": 1, "env": dict(env),

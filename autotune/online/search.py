@@ -13,14 +13,19 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from autotune.errors import ProfileError
+from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.online.explore import Contender
+from autotune.online.live import live_profile
 from autotune.policies import Policy
+from autotune.search.space import ErrorModel
+from autotune.search.tuner import tune
+from autotune.search.verify import candidates as spread_candidates
 
 if TYPE_CHECKING:
     import torch
 
-    from autotune.models.cost_model import CostModel
     from autotune.probes.profile import Profile
     from autotune.search.tuner import TuneResult
 
@@ -47,10 +52,6 @@ def trial_contenders(
         rebucket: bucket-size changes can be applied (else every contender keeps the
             current cap).
     """
-    from autotune.errors import ProfileError
-    from autotune.search.space import ErrorModel
-    from autotune.search.verify import candidates as spread_candidates
-
     what_if = what_if or WhatIf()
     errors = ErrorModel(profile)
     pinned = {k: dict(v) for k, v in pinned.items()}
@@ -137,10 +138,6 @@ def auto_search(
         ``contenders`` (:func:`contender_to_dict` each), ``current`` (the name of the
         policy in force among them), ``codec_probe_s``, ``search_s``, ``trials``.
     """
-    from autotune.models.cost_model import CostModel
-    from autotune.online.live import live_profile
-    from autotune.search.tuner import tune
-
     started = time.perf_counter()
     profile = live_profile(compute, grads, network, env=env, model_name=model_name,
                            world_size=world_size, codec_budget_s=codec_share * budget_s,

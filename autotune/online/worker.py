@@ -29,6 +29,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from autotune.policies import Policy
+
 __all__ = ["SearchWorker"]
 
 
@@ -128,7 +130,6 @@ def _serve() -> int:
 
     torch.set_num_threads(1)
     from autotune.online.search import auto_search
-    from autotune.policies import Policy
 
     line = sys.stdin.readline()
     if not line:  # the parent went away before asking

@@ -28,9 +28,11 @@ import reprlib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping, NoReturn
 
+from autotune.compressors.registry import CompressorSpec
 from autotune.errors import AutotuneError, ProfileError
 from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_atomic
 from autotune.links import parse_link
+from autotune.policies import Policy
 
 __all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Calibration", "Codecs", "Compute", "Env", "Network",
            "Profile", "Section", "Workload", "load_profile"]
@@ -583,16 +585,12 @@ class _Validator:
         self.spec_value(self._get(parent, path), path)
 
     def spec_value(self, value: Any, path: str) -> None:
-        from autotune.compressors.registry import CompressorSpec
-
         try:
             CompressorSpec.from_dict(value)
         except AutotuneError as exc:
             _fail(self.source, path, str(exc))
 
     def policy(self, value: Any, path: str) -> None:
-        from autotune.policies import Policy
-
         try:
             Policy.from_dict(value, source=path)
         except AutotuneError as exc:

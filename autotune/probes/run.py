@@ -10,18 +10,21 @@ import datetime
 import os
 import platform
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from autotune._version import __version__
 from autotune.launch import Placement, init_from_env, launch, set_rank_threads
+from autotune.measure import rank_measure
 from autotune.presets import DEFAULT_PRESETS
+from autotune.probes.codecs import probe_codecs
+from autotune.probes.compute import probe_compute
+from autotune.probes.network import probe_network
+from autotune.probes.profile import Profile
 from autotune.progress import Report, line_reader, rank_reporter
-
-if TYPE_CHECKING:
-    from autotune.probes.profile import Profile
+from autotune.workloads import describe, resolve_workload
 
 __all__ = ["PHASES", "BUDGET_SHARES", "rank_profile", "environment", "profile_job", "take_profile"]
 
@@ -79,12 +82,6 @@ def rank_profile(
             the cost model's residual; ``"default"`` for :func:`calibration_policies`;
             None or [] to skip.
     """
-    from autotune.probes.codecs import probe_codecs
-    from autotune.probes.compute import probe_compute
-    from autotune.probes.network import probe_network
-    from autotune.probes.profile import Profile
-    from autotune.workloads import describe, resolve_workload
-
     started = time.perf_counter()
     rank = dist.get_rank()
     report = report or rank_reporter(rank)
@@ -143,8 +140,6 @@ def calibration_policies(work: Any) -> list[dict[str, Any] | None]:
 
 def _calibrate(workload: str, policies: list[dict[str, Any] | None], report: Report) -> dict[str, Any]:
     """Measured step times of ``policies`` on this job, interleaved."""
-    from autotune.measure import rank_measure
-
     if not policies:
         return {"results": []}
     setups = [{"name": f"c{i}", "kind": "ddp"} if p is None else

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from autotune.errors import AutotuneError
+from autotune.jsonio import write_atomic
 
 if TYPE_CHECKING:
     from autotune.policies import Policy
@@ -68,7 +69,6 @@ def write_report(
         AutotuneError: matplotlib is missing, or an input does not fit the profile.
     """
     require_matplotlib()
-    from autotune.jsonio import write_atomic
     from autotune.report import figures as fg
     from autotune.report.data import gather
     from autotune.report.page import render_page
