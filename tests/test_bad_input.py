@@ -72,6 +72,7 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "nan_policy.json").write_text('{"version": 1, "bucket_cap_mb": NaN}')
     (d / "inf_policy.json").write_text('{"version": 1, "bucket_cap_mb": 1e999}')
     (d / "cap_policy.json").write_text('{"version": 1, "bucket_cap_mb": 5000}')
+    (d / "ring_policy.json").write_text('{"version": 1, "topology": "ring"}')
     (d / "rank0_policy.json").write_text(
         json.dumps({"version": 1, "default": {"compressor": "powersgd", "rank": 0}}))
     (d / "other_model_policy.json").write_text(
@@ -123,6 +124,8 @@ CLI_CASES = [
          "The 'rank' parameter of powersgd must be an int in the range [1, 1024]. Got 0 instead."),
     case("show: bucket cap 5000", "show {d}/cap_policy.json",
          "bucket_cap_mb: expected a number in the range (0, 1024], got 5000"),
+    case("show: unknown topology", "show {d}/ring_policy.json",
+         "ring_policy.json: topology: expected one of 'flat', 'hierarchical', got 'ring'"),
     case("show: NaN", "show {d}/nan_policy.json", "nan_policy.json: NaN is not valid JSON; numbers must be finite"),
     case("show: 1e999", "show {d}/inf_policy.json", "inf_policy.json: number 1e999 is out of range"),
     case("show: NaN in a profile", "show {d}/nan_profile.json", "nan_profile.json: NaN is not valid JSON"),

@@ -202,6 +202,18 @@ def test_id_changes_when_communication_changes() -> None:
     assert len(ids) == 4
 
 
+def test_topology_is_hierarchical_or_flat_and_flat_keeps_its_old_id() -> None:
+    flat = Policy.from_dict(GOOD)
+    assert flat.topology == "flat" and "topology" not in flat.to_dict()
+    assert Policy.from_dict(with_(topology="flat")).id == flat.id  # written or not, one policy
+    hier = Policy.from_dict(with_(topology="hierarchical"))
+    assert hier.id != flat.id and hier != flat
+    assert hier.to_dict()["topology"] == "hierarchical"
+    assert Policy.from_dict(json.loads(hier.to_json())) == hier
+    assert list(hier.to_dict()) == ["version", "bucket_cap_mb", "topology", "default", "layers",
+                                    "meta"]
+
+
 # ---------------------------------------------------------------- saving
 
 
@@ -308,6 +320,8 @@ BAD_POLICIES = [
         id="unknown-param",
     ),
     pytest.param(with_(meta=[1]), r"meta: expected an object, got an array", id="meta-array"),
+    pytest.param(with_(topology="ring"),
+                 r"topology: expected one of 'flat', 'hierarchical', got 'ring'", id="topology"),
 ]
 
 

@@ -64,6 +64,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def _print_policy(console: Console, policy: Policy, source: str) -> None:
     console.print(Text.assemble(("policy ", "bold"), (policy.id, "bold cyan"), f"  ({source})"))
     console.print(f"bucket cap: {policy.bucket_cap_mb:g} MB")
+    if policy.topology != "flat":
+        console.print(f"topology: {policy.topology} (summed inside each host, compressed "
+                      "between one leader per host)")
     console.print(Text(f"default: {policy.default.label()}"))
     table = Table(title=f"{len(policy.layers)} layer entries", title_justify="left")
     table.add_column("parameter", no_wrap=True)

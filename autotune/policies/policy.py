@@ -34,7 +34,7 @@ from autotune.jsonio import freeze, json_type, read_json, thaw, write_atomic
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["POLICY_VERSION", "Policy", "PolicyCheck", "load_policy"]
+__all__ = ["POLICY_VERSION", "Policy", "PolicyCheck", "TOPOLOGIES", "load_policy"]
 
 POLICY_VERSION = 1
 """Version of the policy JSON format this code reads and writes."""
@@ -42,7 +42,10 @@ POLICY_VERSION = 1
 MAX_BUCKET_CAP_MB = 1024.0
 """Largest bucket cap accepted: beyond it DDP fuses nothing more and memory only grows."""
 
-_KEYS = ("version", "bucket_cap_mb", "default", "layers", "meta")
+_KEYS = ("version", "bucket_cap_mb", "topology", "default", "layers", "meta")
+TOPOLOGIES = ("flat", "hierarchical")
+"""How buckets cross hosts: one collective over all ranks, or reduced inside each host,
+exchanged (compressed) between one leader per host, and shared inside the host again."""
 _SHOWN_UNKNOWN = 5  # unknown names listed in an error; the rest are only counted
 
 
@@ -102,18 +105,26 @@ class Policy:
         default: the compressor of every parameter without a layer entry.
         layers: compressor per parameter name; names missing here use ``default``.
         meta: free-form JSON (predictions, baselines, provenance); ignored by ``id``.
+        topology: ``"flat"`` (every collective over all ranks, as DDP) or
+            ``"hierarchical"``: each bucket is summed inside its host uncompressed, the
+            hosts' sums are exchanged with the compressors between one leader per host,
+            and each leader shares the result inside its host. It pays on several
+            ranks per host behind a slower network; on one rank per host, or one host,
+            it runs flat. Written to JSON only when not flat.
     """
 
     bucket_cap_mb: float = 25.0
     default: CompressorSpec = CompressorSpec("none")
     layers: Mapping[str, CompressorSpec] = field(default_factory=lambda: MappingProxyType({}))
     meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    topology: str = "flat"
 
     def __post_init__(self) -> None:
         # from_dict has already checked its input with a better prefix (the file name);
         # checking again here keeps objects built directly just as valid.
         where = "policy"
         object.__setattr__(self, "bucket_cap_mb", _bucket_cap(self.bucket_cap_mb, where))
+        _topology(self.topology, where)
         if not isinstance(self.default, CompressorSpec):
             _fail(where, "default", f"expected a CompressorSpec, got {self.default!r}")
         _validate_spec(self.default, where, "default")
@@ -136,6 +147,7 @@ class Policy:
         return hash(
             (
                 self.bucket_cap_mb,
+                self.topology,
                 self.default,
                 frozenset(self.layers.items()),
                 json.dumps(thaw(self.meta), sort_keys=True),
@@ -180,6 +192,7 @@ class Policy:
             _fail(source, "version", f"expected {POLICY_VERSION}, got {reprlib.repr(version)}")
 
         bucket_cap_mb = _bucket_cap(data.get("bucket_cap_mb", 25.0), source)
+        topology = _topology(data.get("topology", "flat"), source)
         default = _parse_spec(data.get("default", {"compressor": "none"}), source, "default")
 
         raw_layers = data.get("layers", {})
@@ -194,7 +207,8 @@ class Policy:
         if not isinstance(raw_meta, Mapping):
             _fail(source, "meta", f"expected an object, got {json_type(raw_meta)}")
         meta = _freeze_meta(raw_meta, source)
-        return cls(bucket_cap_mb=bucket_cap_mb, default=default, layers=layers, meta=meta)
+        return cls(bucket_cap_mb=bucket_cap_mb, default=default, layers=layers, meta=meta,
+                   topology=topology)
 
     @classmethod
     def uniform(cls, compressor: str, bucket_cap_mb: float = 25.0, **params: Any) -> Policy:
@@ -272,6 +286,8 @@ class Policy:
             "default": default.to_dict(),
             "layers": layers,
         }
+        if self.topology != "flat":  # flat policies keep the ids they had before topologies
+            body["topology"] = self.topology
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
@@ -279,13 +295,13 @@ class Policy:
 
     def to_dict(self) -> dict[str, Any]:
         """The policy as plain JSON types, keys in file order; a fresh, mutable copy."""
-        return {
-            "version": POLICY_VERSION,
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "default": self.default.to_dict(),
-            "layers": {name: spec.to_dict() for name, spec in self.layers.items()},
-            "meta": thaw(self.meta),
-        }
+        out: dict[str, Any] = {"version": POLICY_VERSION, "bucket_cap_mb": self.bucket_cap_mb}
+        if self.topology != "flat":
+            out["topology"] = self.topology
+        out.update(default=self.default.to_dict(),
+                   layers={name: spec.to_dict() for name, spec in self.layers.items()},
+                   meta=thaw(self.meta))
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         """The policy as JSON text (keys: version, bucket_cap_mb, default, layers, meta)."""
@@ -337,6 +353,13 @@ def _bucket_cap(value: Any, source: str) -> float:
             f"expected a number in the range (0, {MAX_BUCKET_CAP_MB:g}], got {reprlib.repr(value)}",
         )
     return float(value)
+
+
+def _topology(value: Any, source: str) -> str:
+    if not isinstance(value, str) or value not in TOPOLOGIES:
+        _fail(source, "topology", f"expected one of {', '.join(map(repr, TOPOLOGIES))}, "
+                                  f"got {reprlib.repr(value)}")
+    return value
 
 
 def _layer_name(name: Any, source: str) -> None:

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import socket
 import time
-import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -28,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.compressors.comm import all_gather_flat
+from autotune.runtime.topology import host_ids
 
 __all__ = ["DEFAULT_SIZES", "COLLECTIVES", "probe_network", "fit_line", "bus_factor"]
 
@@ -116,14 +114,7 @@ def _fit(samples: list[dict[str, Any]], collective: str, world_size: int) -> dic
 
 def _host_ids(device: torch.device) -> list[int]:
     """Host index of every rank: GROUP_RANK (torchrun's node rank) or the hostname."""
-    node = os.environ.get("GROUP_RANK")
-    ident = int(node) if node is not None else zlib.crc32(socket.gethostname().encode())
-    mine = torch.tensor([ident], dtype=torch.int64, device=device)
-    out = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-    all_gather_flat(out, mine)
-    raw = out.tolist()
-    index = {h: i for i, h in enumerate(dict.fromkeys(raw))}
-    return [index[h] for h in raw]
+    return host_ids(None, device)
 
 
 class _Clock:

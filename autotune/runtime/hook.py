@@ -16,6 +16,10 @@ survive DDP's bucket rebuild) and reduces each group with one collective per sta
   :data:`PHASES`): per step and bucket in :meth:`AutotuneState.last_step_records`,
   summed over a step in :meth:`AutotuneState.step_breakdown`, and since construction in
   :attr:`AutotuneState.breakdown_totals`.
+* Policies with ``topology: "hierarchical"`` reduce every bucket in three stages on the
+  channel (see topology.py): summed onto each host's leader, exchanged between the
+  leaders with the bucket's compressors, broadcast inside each host. Their process
+  groups are made when such a policy is first set (on every rank, between steps).
 * Nothing is compressed before step ``compress_from_step`` (default 2): DDP rebuilds its
   buckets after the first iteration, and PowerSGD's state must start after that.
 * The **guard**: before compressing a bucket, the ranks agree, in one 8-byte allreduce
@@ -48,6 +52,8 @@ import torch.distributed as dist
 from autotune.compressors import Compressor, CompressorSpec, GroupComm, create
 from autotune.compressors.base import AllreduceCompressor
 from autotune.errors import AutotuneError
+from autotune.runtime.channel import Channel
+from autotune.runtime.topology import Hierarchy
 
 if TYPE_CHECKING:
     from autotune.policies import Policy
@@ -63,6 +69,7 @@ PHASES = (
     "guard",  # the hook's finiteness check and issuing the guard's allreduce
     "queue",  # handed over, waiting behind earlier buckets for the communication thread
     "guard_wait",  # the thread waiting for the guard's agreement
+    "intra_reduce",  # hierarchical buckets: summing the bucket onto the host's leader
     "flatten",  # copies into the compressor's working layout (views cost nothing)
     "encode",  # compressor work before and between its collectives
     "allreduce",  # in allreduce collectives (direct buckets: issue to completion,
@@ -70,6 +77,8 @@ PHASES = (
     "allgather",  # in all_gather collectives
     "decode",  # compressor work after its last collective
     "copy_back",  # copies of the result into the gradient bucket
+    "intra_share",  # hierarchical buckets: the leader's broadcast of the result inside
+    # the host (on the other ranks, this includes waiting for the leaders' exchange)
 )
 
 logger = logging.getLogger(__name__)
@@ -185,11 +194,14 @@ class AutotuneState:
         # bucket is ready, on a group of their own (the channel owns the side group), so
         # they run in the background while earlier buckets are still being compressed.
         self._guard_group = self._make_side_group(process_group) if guard else None
-        from autotune.runtime.channel import Channel
-
         self._channel = Channel(name=f"autotune-comm-{self.rank}")
         _OPEN.add(self)
         self._exact = create("none")  # before compress_from_step, and the guard's fallback
+        # hosts and their groups, for hierarchical policies: made when one is first set
+        self._hierarchy: Hierarchy | None = None
+        self._hierarchy_built = False
+        self._leader_comm: GroupComm | None = None
+        self._prepare_topology(policy)
 
         # statistics
         self._lock = threading.Lock()
@@ -230,10 +242,33 @@ class AutotuneState:
             owed = comp.release(name) if comp is not None else None
             if owed is not None:
                 self._carry[name] = owed + self._carry.pop(name, 0)
+        self._prepare_topology(policy)
         self.policy = policy
         self._plans.clear()
         in_use = {s.canonical() for s in policy.compressors()}
         self.compressors = {s: c for s, c in self.compressors.items() if s in in_use}
+
+    def _prepare_topology(self, policy: Policy) -> None:
+        """Make the hierarchy's process groups the first time a hierarchical policy is set
+        (collective: every rank sets the same policy at the same step)."""
+        if policy.topology != "hierarchical" or self._hierarchy_built:
+            return
+        pg = self.process_group if self.process_group is not None else dist.group.WORLD
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend(pg) == "nccl" else torch.device("cpu"))
+        self._hierarchy = Hierarchy.build(self.process_group, _group_timeout(self.process_group),
+                                          device)
+        self._hierarchy_built = True
+        if self._hierarchy is None:
+            logger.info("topology 'hierarchical' runs flat here: one host, or one rank per host")
+        else:
+            logger.info("hierarchical exchange: %d hosts, %d ranks on this one (leader: rank %d)",
+                        self._hierarchy.hosts, self._hierarchy.local_size, self._hierarchy.leader)
+
+    @property
+    def hierarchy(self) -> Hierarchy | None:
+        """The hierarchy the policy in force reduces over (None: flat)."""
+        return self._hierarchy if self.policy.topology == "hierarchical" else None
 
     def compressor(self, spec: CompressorSpec) -> Compressor:
         canonical = spec.canonical()
@@ -268,7 +303,8 @@ class AutotuneState:
             for spec, members in by_spec.items()
         )
         only = groups[0].compressor if len(groups) == 1 else None
-        plan = _Plan(groups=groups, direct=only if isinstance(only, AllreduceCompressor) else None)
+        direct = isinstance(only, AllreduceCompressor) and self.hierarchy is None
+        plan = _Plan(groups=groups, direct=only if direct else None)  # type: ignore[arg-type]
         self._plans[key] = plan
         return plan
 
@@ -298,6 +334,7 @@ class AutotuneState:
             agreement = self._start_agreement(buffer, joined)
             record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
         handed = time.perf_counter()
+        hierarchy = self.hierarchy
 
         def job() -> torch.Tensor:
             comm = self._get_comm()
@@ -312,17 +349,14 @@ class AutotuneState:
                         self._carry.update(paid)
                     self._exact.reduce([buffer], ("bucket",), comm)
                     record.bytes_by_compressor["none"] = buffer.numel() * buffer.element_size()
+                elif hierarchy is not None:
+                    self._reduce_hierarchical(plan, buffer, hierarchy, log, record)
                 else:
-                    for group in plan.groups:
-                        before = len(log)
-                        tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
-                        group.compressor.reduce(tensors, group.names, comm)
-                        sent = sum(e[3] for e in log[before:])
-                        record.bytes_by_compressor[group.label] = (
-                            record.bytes_by_compressor.get(group.label, 0) + sent
-                        )
+                    self._reduce_groups(plan, buffer, comm, log, record)
             finally:
                 comm.log = None
+                if self._leader_comm is not None:
+                    self._leader_comm.log = None
             end = time.perf_counter()
             _account(record, log, worked, end)
             record.job_s = end - began
@@ -330,6 +364,37 @@ class AutotuneState:
             return buffer
 
         return self._channel.submit(job, buffer.device)
+
+    @staticmethod
+    def _reduce_groups(plan: _Plan, buffer: torch.Tensor, comm: GroupComm,
+                       log: list[tuple[str, float, float, int]], record: BucketRecord) -> None:
+        """Average the bucket across ``comm``'s ranks, each group with its compressor."""
+        for group in plan.groups:
+            before = len(log)
+            tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
+            group.compressor.reduce(tensors, group.names, comm)
+            sent = sum(e[3] for e in log[before:])
+            record.bytes_by_compressor[group.label] = (
+                record.bytes_by_compressor.get(group.label, 0) + sent
+            )
+
+    def _reduce_hierarchical(self, plan: _Plan, buffer: torch.Tensor, hierarchy: Hierarchy,
+                             log: list[tuple[str, float, float, int]], record: BucketRecord) -> None:
+        """The three stages of topology.py, on the communication thread: sum onto the
+        leader, the leaders' compressed exchange, the leader's broadcast."""
+        nbytes = buffer.numel() * buffer.element_size()
+        start = time.perf_counter()
+        dist.reduce(buffer, dst=hierarchy.leader, group=hierarchy.intra)
+        log.append(("intra_reduce", start, time.perf_counter(), nbytes))
+        if hierarchy.is_leader:
+            if self._leader_comm is None:
+                self._leader_comm = GroupComm(hierarchy.leaders)
+            self._leader_comm.log = log
+            buffer.mul_(hierarchy.scale)  # the leaders' average is then every rank's mean
+            self._reduce_groups(plan, buffer, self._leader_comm, log, record)
+        start = time.perf_counter()
+        dist.broadcast(buffer, src=hierarchy.leader, group=hierarchy.intra)
+        log.append(("intra_share", start, time.perf_counter(), nbytes))
 
     def _direct(
         self, comp: AllreduceCompressor, buffer: torch.Tensor, index: int, step: int,
