@@ -1,0 +1,136 @@
+"""Benchmark: hierarchical exchange (sum inside each host, compress only between hosts)
+against the flat one, on 2 emulated hosts x 2 ranks.
+
+For each link and workload, one job on an emulated cluster (``--hosts`` x
+``--nproc-per-node`` ranks; inside a host the ranks talk over the host's loopback,
+unshaped; between hosts over tc-shaped NICs; needs root) trains, in interleaved blocks
+(A B A B ...): plain DDP; PyTorch's ``powerSGD_hook`` rank 1 (flat, one bucket: on gloo
+the stock hook deadlocks with two or more); and ours flat vs ours hierarchical with the
+same method: ``none`` and ``fp16`` (25 MB buckets), PowerSGD rank 1 (one bucket) and,
+where the model has row-sparse gradients, ``rowsparse`` on its embeddings. Reports the
+median step (the slowest rank's) of each, hierarchical/flat per method, and rank 0's
+per-bucket breakdown (where the intra-host stages show as intra_reduce/intra_share).
+
+    python bench/hierarchical.py [--workloads cnn,dlrm] [--links 1gbit,100mbit]
+                                 [--hosts 2] [--nproc-per-node 2] [--rounds 5] [--block 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _links import save_cells  # bench/ is on sys.path when a script runs
+from rich.console import Console
+from rich.table import Table
+
+from autotune.emulate import EmulatedCluster
+from autotune.launch import launch
+from autotune.links import parse_link
+from autotune.runtime.hook import PHASES
+from autotune.workloads import resolve_workload
+
+CAP_MB = 25.0
+METHODS: dict[str, dict[str, Any]] = {
+    "none": {"compressor": "none"},
+    "fp16": {"compressor": "fp16"},
+    "powersgd1": {"compressor": "powersgd", "rank": 1},
+}
+ONE_BUCKET = ("powersgd1",)
+
+
+def _setups(workload: str) -> tuple[list[dict[str, Any]], list[str]]:
+    model = resolve_workload(workload).model
+    whole_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1.0
+    setups: list[dict[str, Any]] = [
+        {"name": "ddp", "kind": "ddp", "bucket_cap_mb": CAP_MB},
+        {"name": "stock:powersgd1", "kind": "hook", "hook": "powersgd", "rank": 1,
+         "bucket_cap_mb": whole_mb},
+    ]
+    methods = dict(METHODS)
+    embeddings = [n for n, m in model.named_modules() if type(m).__name__ in ("Embedding", "EmbeddingBag")]
+    layers: dict[str, dict[str, Any]] = {}
+    if embeddings:  # exact row exchange on the tables, plain allreduce elsewhere
+        layers = {f"{n}.weight": {"compressor": "rowsparse"} for n in embeddings}
+        methods["rowsparse"] = {"compressor": "none"}
+    for method, spec in methods.items():
+        cap = whole_mb if method in ONE_BUCKET else CAP_MB
+        for topology in ("flat", "hierarchical"):
+            policy = {"version": 1, "bucket_cap_mb": cap, "topology": topology, "default": spec,
+                      "layers": layers if method == "rowsparse" else {}}
+            setups.append({"name": f"{topology}:{method}", "kind": "policy", "policy": policy})
+    return setups, list(methods)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="cnn,dlrm")
+    parser.add_argument("--links", default="1gbit,100mbit")
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved blocks per configuration")
+    parser.add_argument("--block", type=int, default=2, help="consecutive steps per block")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/hierarchical.json"))
+    args = parser.parse_args(argv)
+    console = Console(width=220)
+    started = time.time()
+    cells: list[dict[str, Any]] = []
+
+    for link in args.links.split(","):
+        with EmulatedCluster(args.hosts, parse_link(link), nproc_per_node=args.nproc_per_node) as cluster:
+            for workload in args.workloads.split(","):
+                t0 = time.perf_counter()
+                setups, methods = _setups(workload)
+                measured = launch("autotune.measure:rank_measure", placement=cluster, timeout=7200,
+                                  kwargs={"workload": workload, "setups": setups,
+                                          "rounds": args.rounds, "block": args.block,
+                                          "warmup": args.warmup})[0]
+                by_name = {r["name"]: r for r in measured["results"]}
+                med = {n: statistics.median(r["step_s"]) for n, r in by_name.items()}
+                ratios = {m: med[f"hierarchical:{m}"] / med[f"flat:{m}"] for m in methods}
+                cells.append({"link": link, "workload": workload, "median_s": med,
+                              "hierarchical_over_flat": ratios, "methods": methods,
+                              "wall_s": time.perf_counter() - t0, "results": measured["results"]})
+                console.print(f"{link} {workload}: " + ", ".join(
+                    f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({cells[-1]['wall_s']:.0f} s)")
+                save_cells("hierarchical", args, cells, started)
+
+    table = Table(title=f"{args.hosts} hosts x {args.nproc_per_node} ranks: median step ms "
+                        "(slowest rank), interleaved; hier/flat = hierarchical over flat, same method")
+    for col in ("link", "workload", "ddp", "stock PowerSGD r1", "method", "flat", "hierarchical", "hier/flat"):
+        table.add_column(col, justify="left" if col in ("link", "workload", "method") else "right")
+    for c in cells:
+        med = c["median_s"]
+        for i, m in enumerate(c["methods"]):
+            first = i == 0
+            table.add_row(c["link"] if first else "", c["workload"] if first else "",
+                          f"{med['ddp'] * 1e3:.0f}" if first else "",
+                          f"{med['stock:powersgd1'] * 1e3:.0f}" if first else "", m,
+                          f"{med[f'flat:{m}'] * 1e3:.0f}", f"{med[f'hierarchical:{m}'] * 1e3:.0f}",
+                          f"{c['hierarchical_over_flat'][m]:.3f}")
+    console.print(table)
+
+    phases = [p for p in PHASES if any(p in r.get("breakdown", {}).get("per_step_s", {})
+                                       for c in cells for r in c["results"])]
+    bd = Table(title="rank 0 (a host leader): ms per step by phase")
+    for col in ("link", "workload", "configuration", "step", *phases):
+        bd.add_column(col, justify="left" if col in ("link", "workload", "configuration") else "right")
+    for c in cells:
+        for r in c["results"]:
+            per = r.get("breakdown", {}).get("per_step_s", {})
+            if per:
+                bd.add_row(c["link"], c["workload"], r["name"], f"{r['step_s_median'] * 1e3:.0f}",
+                           *(f"{per[p] * 1e3:.1f}" if p in per else "" for p in phases))
+    console.print(bd)
+    console.print("target: hierarchical <= 0.7x flat with the same method at 100 Mbit")
+    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
