@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from autotune.cli import main
 from autotune.compressors import CompressorSpec, create
+from autotune.errors import ProfileError
 from autotune.models.buckets import ParamInfo, ddp_buckets
 from autotune.models.cost_model import CostModel, load_cost_model
 from autotune.models.estimators import (
@@ -158,6 +159,64 @@ def test_rowsparse_is_priced_at_each_tables_measured_density(tmp_path: Path, cap
     assert main(argv) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if "policy" in line)
     assert row.split("│")[-2].strip() == f"{est.wire_bytes / 1e6:.3f}"  # wire MB
+
+
+# ---------------------------------------------------------------- topologies
+def _two_hosts_profile(intra_bps: float | None = 10e9) -> Profile:
+    """synthetic_profile at 4 ranks on 2 hosts, its intra-host p2p link at ``intra_bps``."""
+    data = synthetic_profile("cnn", link_bps=1e8, world=4).to_dict()
+    data["env"]["hosts"] = 2
+    if intra_bps is not None:
+        data["network"]["fits"]["p2p"] = {"intra": {"latency_s": 1e-5, "bandwidth_Bps": intra_bps / 8}}
+    return Profile.from_dict(data)
+
+
+def _hier(policy: Policy) -> Policy:
+    return Policy.from_dict({**policy.to_dict(), "topology": "hierarchical"})
+
+
+def test_hierarchical_buckets_pay_the_intra_link_twice_and_the_slow_one_at_world_hosts() -> None:
+    model = CostModel.fit(_two_hosts_profile(), residual=False)
+    flat = Policy.uniform("fp16")
+    est = model.predict(_hier(flat))
+    comm, intra = model.comm_time(WhatIf()), model.layout(WhatIf(), 4).intra_time
+    assert model.layout(WhatIf(), 4).hierarchical
+    expected = 0.0
+    for bucket in est.buckets:
+        nbytes = bucket.numel * 4
+        expected += 2 * intra(nbytes) + comm("allreduce", nbytes // 2, 2)  # 1 hop each way
+    assert est.comm_s == pytest.approx(expected, rel=1e-9)
+    assert all(b.threaded for b in est.buckets)  # no direct path: all through the thread
+    # on a 100 Mbit link with a 10 Gbit host, the leaders' ring beats the 4-rank one
+    assert est.step_s < 0.8 * model.predict(flat).step_s
+
+
+def test_hierarchical_needs_an_intra_link_where_none_was_measured() -> None:
+    model = CostModel.fit(_two_hosts_profile(intra_bps=None), residual=False)
+    with pytest.raises(ProfileError, match="no intra-host link.*--intra-link"):
+        model.predict(_hier(Policy.uniform("none")))
+    given = model.predict(_hier(Policy.uniform("none")), WhatIf(intra_bandwidth_bps=10e9))
+    assert given.step_s > 0
+    # one rank per host: hierarchical is flat
+    one_per_host = CostModel.fit(synthetic_profile("cnn", world=4), residual=False)
+    assert (one_per_host.predict(_hier(Policy.uniform("fp16"))).step_s
+            == one_per_host.predict(Policy.uniform("fp16")).step_s)
+
+
+def test_hosts_what_if_and_the_model_file_keep_the_layout(tmp_path: Path, capsys) -> None:
+    model = CostModel.fit(_two_hosts_profile(), residual=False)
+    assert model.layout(WhatIf(world_size=64), 64).hosts == 32  # 2 ranks per host, as measured
+    assert model.layout(WhatIf(world_size=4, hosts=4), 4).hierarchical is False
+    with pytest.raises(ProfileError, match="do not spread evenly over 3 hosts"):
+        model.layout(WhatIf(hosts=3), 4)
+    model.save(tmp_path / "m.json")
+    back = load_cost_model(tmp_path / "m.json")
+    assert (back.hosts, back.intra) == (model.hosts, model.intra)
+    _two_hosts_profile().save(tmp_path / "profile.json")
+    assert main(["simulate", str(tmp_path / "profile.json"), "--hosts", "2,4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    hier = {r["hosts"] for r in rows if r["name"].endswith("hierarchical")}
+    assert hier == {2}  # 4 hosts x 1 rank: nothing to sum inside a host
 
 
 # ------------------------------------------------------------------- buckets

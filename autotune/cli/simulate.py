@@ -72,6 +72,13 @@ def add_simulate_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                         help="link rates to ask about, e.g. 100mbit,1gbit,10gbit (default: as measured)")
     parser.add_argument("--world-size", type=_ints, default=None,
                         help="world sizes to ask about, e.g. 2,8,64 (default: as measured)")
+    parser.add_argument("--hosts", type=_ints, default=None,
+                        help="hosts the ranks spread over, e.g. 2,4 (default: ranks per host as "
+                             "measured); with several ranks per host, every policy is also "
+                             "predicted hierarchical (summed inside hosts, compressed between them)")
+    parser.add_argument("--intra-link", type=_rates, default=None, metavar="RATE",
+                        help="intra-host link rate for hierarchical predictions, e.g. 100gbit "
+                             "(default: as measured; needed when the profile had one rank per host)")
     parser.add_argument("--compute-speed", type=positive_float, default=1.0,
                         help="compute this many times faster (profile mode)")
     parser.add_argument("--trace", type=Path, help="write the policy's (or DDP's) timeline as "
@@ -122,18 +129,28 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
     configs += baseline_policies().items()
     worlds = args.world_size or [model.world_size]
     rates = args.bandwidth or [model.link_bps]
+    hosts_grid: list[int | None] = list(args.hosts) if args.hosts else [None]
+    intra = args.intra_link[0] if args.intra_link else None
     results = []
     traced = None
-    for (name, policy), world, rate in itertools.product(configs, worlds, rates):
+    for (name, policy), world, hosts, rate in itertools.product(configs, worlds, hosts_grid, rates):
         what_if = WhatIf(
             world_size=world if world != model.world_size else None,
             bandwidth_bps=rate if rate is not None and rate != model.link_bps else None,
-            compute_speed=args.compute_speed,
+            compute_speed=args.compute_speed, hosts=hosts, intra_bandwidth_bps=intra,
         )
-        est = model.predict(policy, what_if)
-        results.append({"name": name, "world_size": world, "bandwidth_bps": rate,
-                        "step_s": est.step_s, **{k: v for k, v in est.breakdown().items() if k != "step_s"},
-                        "wire_bytes": est.wire_bytes, "collectives": est.collectives})
+        layout = model.layout(what_if, world)
+        variants = [(name, policy)]
+        if layout.hierarchical:  # the same method, summed inside each host first
+            flat = policy if policy is not None else Policy.uniform("none")
+            variants.append((f"{name} hierarchical",
+                             Policy.from_dict({**flat.to_dict(), "topology": "hierarchical"})))
+        for label, variant in variants:
+            est = model.predict(variant, what_if)
+            results.append({"name": label, "world_size": world, "hosts": layout.hosts,
+                            "bandwidth_bps": rate, "step_s": est.step_s,
+                            **{k: v for k, v in est.breakdown().items() if k != "step_s"},
+                            "wire_bytes": est.wire_bytes, "collectives": est.collectives})
         if traced is None:
             traced = (name, est)
     if args.trace is not None and traced is not None:
@@ -165,14 +182,15 @@ def _print(results: list[dict[str, Any]]) -> None:
     out = console()
     zhang = "compression" in results[0] if results else False
     table = Table(title="predicted step time" + (" (Zhang et al. 2020 profile)" if zhang else ""))
-    cols = ["config", "world", "link Gbit/s", "step ms"]
+    cols = ["config", "world", *([] if zhang else ["hosts"]), "link Gbit/s", "step ms"]
     cols += (["compression", "scaling factor"] if zhang else
              ["compute ms", "codec ms", "comm ms", "exposed ms", "wire MB"])
     for col in cols:
         table.add_column(col, justify="left" if col == "config" else "right")
     for r in results:
         rate = f"{r['bandwidth_bps'] / 1e9:g}" if r.get("bandwidth_bps") else "measured"
-        row = [r.get("compressor", r["name"]), str(r["world_size"]), rate, f"{r['step_s'] * 1e3:.1f}"]
+        row = [r.get("compressor", r["name"]), str(r["world_size"]),
+               *([] if zhang else [str(r["hosts"])]), rate, f"{r['step_s'] * 1e3:.1f}"]
         if zhang:
             row += [f"{r['compression']:g}", f"{r['scaling_factor']:.3f}"]
         else:

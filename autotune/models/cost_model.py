@@ -32,7 +32,14 @@ from autotune.models.estimators import (
     ResidualRegressor,
     relative_cv_error,
 )
-from autotune.models.simulator import ComputeTimes, ParamTiming, StepEstimate, WhatIf, simulate
+from autotune.models.simulator import (
+    ComputeTimes,
+    Layout,
+    ParamTiming,
+    StepEstimate,
+    WhatIf,
+    simulate,
+)
 from autotune.policies import Policy
 from autotune.probes.profile import Profile
 
@@ -75,6 +82,14 @@ def _link_bps(profile: Profile) -> float | None:
         return parse_link(str(link)).rate_bps
     fit = profile.network.fits.get("allreduce")
     return float(fit["busbw_Bps"]) * 8 if fit and "busbw_Bps" in fit else None
+
+
+def _intra_fit(profile: Profile) -> tuple[float, float] | None:
+    """(latency s, bandwidth B/s) of the intra-host p2p fit, if the probe measured one."""
+    fit = profile.network.fits.get("p2p", {}).get("intra")
+    if not fit or not fit.get("bandwidth_Bps"):
+        return None
+    return float(fit["latency_s"]), float(fit["bandwidth_Bps"])
 
 
 def row_densities(profile: Profile) -> dict[str, float]:
@@ -123,6 +138,10 @@ class CostModel:
     residual: ResidualRegressor | None = None
     fingerprint: str = ""
     cv_error: dict[str, float] | None = None  # cross-validated MAPE of each component
+    hosts: int = 1  # hosts of the profiled job
+    # the intra-host link class's point-to-point fit (latency_s, bandwidth_Bps), when the
+    # profiled job had ranks sharing a host; what hierarchical policies are simulated on
+    intra: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ fitting
     @classmethod
@@ -160,6 +179,7 @@ class CostModel:
             compute=compute_times(profile), world_size=profile.world_size, comm=comm,
             codec=codec, codec_world=profile.codecs.world_size or profile.world_size,
             link_bps=_link_bps(profile), fingerprint=profile.fingerprint, cv_error=cv,
+            hosts=profile.env.hosts or 1, intra=_intra_fit(profile),
         )
         pairs = list(profile.calibration.results) if residual else []
         if len(pairs) >= 3:
@@ -237,6 +257,27 @@ class CostModel:
 
         return time
 
+    def layout(self, what_if: WhatIf, world: int) -> Layout:
+        """Hosts and ranks per host of the what-if job (by default, ranks per host as
+        profiled), and its intra-host link (the what-if's rate, else the measured one)."""
+        per_host = max(1, self.world_size // max(self.hosts, 1))
+        hosts = what_if.hosts or max(1, world // per_host)
+        if hosts < 1 or world % hosts:
+            raise ProfileError(f"{world} ranks do not spread evenly over {hosts} hosts")
+        latency, bandwidth = self.intra if self.intra is not None else (None, None)
+        if what_if.intra_bandwidth_bps is not None:
+            bandwidth, latency = what_if.intra_bandwidth_bps / 8, latency or 0.0
+        local = world // hosts
+
+        def intra_time(nbytes: int) -> float:
+            if bandwidth is None:
+                raise ProfileError(
+                    "the profile measured no intra-host link (one rank per host): give the "
+                    "intra-host rate to predict a hierarchical policy (simulate --intra-link)")
+            return latency + nbytes / bandwidth
+
+        return Layout(hosts=hosts, local=local, intra_time=intra_time)
+
     def _simulate(self, policy: Policy | None, what_if: WhatIf) -> StepEstimate:
         compute = self.compute.scaled(what_if.compute_speed) if what_if.compute_speed != 1.0 else self.compute
         world = what_if.world_size or self.world_size
@@ -244,8 +285,10 @@ class CostModel:
             layers, default, cap = {}, PLAIN, None
         else:
             layers, default, cap = policy.layers, policy.default, policy.bucket_cap_mb
+        layout = (self.layout(what_if, world)
+                  if policy is not None and policy.topology == "hierarchical" else None)
         return simulate(compute, layers, default, cap, world,
-                        self.comm_time(what_if), self.codec_time(what_if))
+                        self.comm_time(what_if), self.codec_time(what_if), layout)
 
     def predict(self, policy: Policy | None, what_if: WhatIf | None = None) -> StepEstimate:
         """Predicted step of ``policy`` (None: plain DDP as constructed by default).
@@ -269,6 +312,8 @@ class CostModel:
             "world_size": self.world_size,
             "codec_world": self.codec_world,
             "link_bps": self.link_bps,
+            "hosts": self.hosts,
+            "intra": list(self.intra) if self.intra is not None else None,
             "compute": {
                 "forward_s": c.forward_s, "backward_s": c.backward_s, "optimizer_s": c.optimizer_s,
                 "floor_s": c.floor_s, "contention": c.contention,
@@ -312,6 +357,9 @@ class CostModel:
                           if data.get("residual") else None),
                 fingerprint=str(data.get("profile_fingerprint", "")),
                 cv_error=dict(data.get("cv_error") or {}),
+                hosts=int(data.get("hosts", 1)),
+                intra=(tuple(float(v) for v in data["intra"])  # type: ignore[arg-type]
+                       if data.get("intra") else None),
             )
             # The file is JSON someone may have edited: a model that cannot predict plain
             # DDP is refused here, not in the middle of a search.

@@ -16,6 +16,11 @@ Ranks are symmetric, so one rank's timeline is the job's. The step is::
 * Contention: encode/decode runs on the CPU next to the backward pass. With
   ``contention`` = 1 (CPU ranks, one core each) codec work that overlaps backward delays
   it one for one; with 0 (a GPU's separate stream) it does not.
+* Hierarchical policies (``topology: "hierarchical"``, :class:`Layout` given): every
+  bucket goes through the thread in three stages: summed onto the host's leader over the
+  intra-host link (``ceil(log2(ranks per host))`` hops of the whole bucket), the groups'
+  collectives among the leaders (world = hosts), the leader's broadcast back (as many
+  hops). The leader's timeline is the job's (the other ranks wait for it).
 * The step ends when backward and the channel are both done, plus the optimizer and
   whatever else the compute-only step held (zero_grad, data): ``floor - backward``.
 
@@ -44,6 +49,7 @@ __all__ = [
     "StepEstimate",
     "simulate",
     "group_messages",
+    "Layout",
 ]
 
 CommTime = Callable[[str, int, int], float]  # (collective, payload bytes, world) -> s
@@ -103,6 +109,26 @@ class WhatIf:
     bandwidth_bps: float | None = None  # link rate, bits per second
     latency_s: float | None = None  # per-hop latency
     compute_speed: float = 1.0  # compute (and codec) this many times faster
+    hosts: int | None = None  # hosts the ranks spread over (None: ranks per host as measured)
+    intra_bandwidth_bps: float | None = None  # intra-host link rate (None: as measured)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Hosts and ranks per host, and the intra-host link a hierarchical step uses."""
+
+    hosts: int
+    local: int  # ranks per host
+    intra_time: Callable[[int], float]  # seconds of one intra-host hop of n bytes
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether a hierarchical exchange differs from a flat one here."""
+        return self.hosts > 1 and self.local > 1
+
+    @property
+    def hops(self) -> int:
+        return max(1, (self.local - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -215,6 +241,7 @@ def simulate(
     world_size: int,
     comm_time: CommTime,
     codec_time: CodecTime,
+    layout: Layout | None = None,
 ) -> StepEstimate:
     """Simulate one step under a policy.
 
@@ -225,14 +252,18 @@ def simulate(
         comm_time: seconds of one collective.
         codec_time: encode+decode seconds of one tensor under a compressor, given its
             measured row density (None: not measured), which data-dependent methods read.
+        layout: given for a hierarchical policy: the hosts, ranks per host and intra-host
+            link its three stages run on (flat when it has one host or one rank per host).
     """
-    buckets = plan_buckets(compute, layers, default, bucket_cap_mb, world_size)
+    hier = layout if layout is not None and layout.hierarchical else None
+    exchange_world = hier.hosts if hier is not None else world_size
+    buckets = plan_buckets(compute, layers, default, bucket_cap_mb, exchange_world)
     backward = compute.backward_s
     # Codec work that overlaps backward slows it, which moves the ready times, which
     # moves the codec work: iterate to a fixed point (a few rounds converge).
     for _ in range(4):
         stretch = backward / compute.backward_s if compute.backward_s > 0 else 1.0
-        events = _channel(buckets, stretch, comm_time, codec_time, world_size)
+        events = _channel(buckets, stretch, comm_time, codec_time, exchange_world, hier)
         overlap = sum(_overlap(s, e, 0.0, backward) for ev in events
                       for track, _, s, e in ev.spans if track == "codec")
         new_backward = compute.backward_s + compute.contention * overlap
@@ -262,7 +293,7 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
 
 def _channel(
     buckets: list[tuple[list[ParamTiming], list[GroupPlan]]], stretch: float,
-    comm_time: CommTime, codec_time: CodecTime, world: int,
+    comm_time: CommTime, codec_time: CodecTime, world: int, hier: Layout | None = None,
 ) -> list[BucketEvent]:
     events: list[BucketEvent] = []
     free = 0.0
@@ -273,7 +304,15 @@ def _channel(
         codec_total = comm_total = 0.0
         wire = calls = half = 0
         numel = sum(p.numel for p in members)
-        direct = len(groups) == 1 and isinstance(_compressor(groups[0].spec), AllreduceCompressor)
+        direct = hier is None and len(groups) == 1 and isinstance(
+            _compressor(groups[0].spec), AllreduceCompressor)
+        bucket_bytes = sum(p.numel * p.element_size for p in members)
+        if hier is not None:  # summed onto the leader inside the host
+            dt = hier.hops * hier.intra_time(bucket_bytes)
+            spans.append(("comm", f"intra reduce {bucket_bytes / 1e6:.2f} MB", t, t + dt))
+            t += dt
+            comm_total += dt
+            calls += 1
         if direct and not _compressor(groups[0].spec).lossy:  # DDP's own allreduce of the bucket
             nbytes = sum(p.numel * p.element_size for p in members)
             dt = comm_time("allreduce", nbytes, world)
@@ -299,6 +338,12 @@ def _channel(
                 spans.append(("codec", f"decode {label}", t, t + codec / 2))
                 t += codec / 2
                 codec_total += codec
+        if hier is not None:  # the leader's broadcast of the result inside the host
+            dt = hier.hops * hier.intra_time(bucket_bytes)
+            spans.append(("comm", f"intra share {bucket_bytes / 1e6:.2f} MB", t, t + dt))
+            t += dt
+            comm_total += dt
+            calls += 1
         threaded = not direct  # fp16/bf16 buckets go the stock hooks' way, not the thread
         events.append(BucketEvent(index, len(members), numel, ready, start, t, codec_total,
                                   comm_total, wire, calls, tuple(spans), threaded, half))
