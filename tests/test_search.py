@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from test_models import sparse_profile, synthetic_profile
+from test_models import _two_hosts_profile, sparse_profile, synthetic_profile
 
 from autotune.cli import main
-from autotune.policies import load_policy
+from autotune.models.cost_model import CostModel
+from autotune.policies import Policy, load_policy
 from autotune.probes.profile import Profile
 from autotune.search.space import ErrorModel, SearchSpace
 from autotune.search.tuner import tune
@@ -38,6 +39,19 @@ def test_slow_link_gets_a_compressed_policy_that_beats_every_baseline() -> None:
     assert any(s.name != "none" for s in result.policy.layers.values())
     meta = result.policy.meta
     assert meta["profile_fingerprint"] and meta["seed"] == 0 and "ddp" in meta["baselines"]
+
+
+def test_topology_is_searched_only_where_hosts_hold_several_ranks() -> None:
+    # 2 hosts x 2 ranks, 100 Mbit between them, 10 Gbit inside: exact policies gain most
+    # from summing inside the host first
+    result = tune(_two_hosts_profile(), trials=40, seed=0, max_error=0.0)
+    assert result.tuned.policy.topology == "hierarchical"
+    flat = result.tuned.policy.to_dict() | {"topology": "flat"}
+    model = CostModel.fit(_two_hosts_profile())
+    assert result.tuned.predicted_s < model.predict(Policy.from_dict(flat)).step_s
+    # one rank per host: nothing to choose, every trial flat
+    assert tune(synthetic_profile("cnn", link_bps=1e8, world=4), trials=20, seed=0
+                ).tuned.policy.topology == "flat"
 
 
 def test_guard_emits_the_best_baseline_when_nothing_beats_it() -> None:

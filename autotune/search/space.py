@@ -33,7 +33,10 @@ from autotune.probes.codecs import ROW_SPARSE_BELOW
 from autotune.probes.profile import Profile
 from autotune.probes.sampling import CHOICES, SMALL
 
-__all__ = ["Group", "SearchSpace", "ErrorModel", "label_of"]
+__all__ = ["Group", "SearchSpace", "ErrorModel", "TOPOLOGY", "label_of"]
+
+TOPOLOGY = "topology"
+"""The key of a choice (beside the groups' keys) holding the policy's topology."""
 
 # Element-count bin edges of the size groups (besides matrix / not matrix).
 SIZE_EDGES = (SMALL, 262_144, 1_048_576, 4_194_304)
@@ -63,6 +66,8 @@ class SearchSpace:
     specs: dict[str, CompressorSpec]  # label -> spec of every option
     caps: tuple[float, ...] = BUCKET_CAPS_MB
     pinned: dict[str, CompressorSpec] = field(default_factory=dict)  # fixed by the user
+    # topologies searched: hierarchical only where the cluster has hosts of several ranks
+    topologies: tuple[str, ...] = ("flat",)
     _group_of: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -124,8 +129,9 @@ class SearchSpace:
                 label = (layers or {}).get(name, choice[g.key])
                 if label != PLAIN.name:
                     per_layer[name] = self.specs[label].to_dict()
+        topology = {TOPOLOGY: choice[TOPOLOGY]} if choice.get(TOPOLOGY, "flat") != "flat" else {}
         return Policy.from_dict({"version": 1, "bucket_cap_mb": cap, "layers": per_layer,
-                                 "meta": dict(meta or {})})
+                                 "meta": dict(meta or {}), **topology})
 
     def choice_of(self, policy: Policy) -> dict[str, str]:
         """The group choice closest to ``policy``: each group's most used option (by
@@ -138,6 +144,8 @@ class SearchSpace:
                 if label in g.options:
                     weight[label] = weight.get(label, 0) + math.prod(self.params[name])
             out[g.key] = max(weight, key=weight.__getitem__) if weight else PLAIN.name
+        if len(self.topologies) > 1:
+            out[TOPOLOGY] = policy.topology
         return out
 
     def uniform_choice(self, label: str) -> dict[str, str]:

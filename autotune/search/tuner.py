@@ -35,7 +35,7 @@ from autotune.policies import Policy
 from autotune.presets import DDP_BUCKET_CAP_MB, DEFAULT_PRESETS, PRESETS
 from autotune.probes.profile import Profile
 from autotune.search.defaults import DEFAULT_MAX_ERROR
-from autotune.search.space import ErrorModel, SearchSpace, label_of
+from autotune.search.space import TOPOLOGY, ErrorModel, SearchSpace, label_of
 
 __all__ = ["DEFAULT_MAX_ERROR", "Candidate", "TuneConfig", "TuneResult", "baseline_policies",
            "baselines", "tune"]
@@ -174,6 +174,8 @@ def tune(
     model = model or CostModel.fit(profile)
     space = SearchSpace.from_profile(profile, pinned=cfg.pinned,
                                      **({"caps": cfg.caps} if cfg.caps else {}))
+    if _topology_searched(model, cfg.what_if):
+        space.topologies = ("flat", "hierarchical")
     errors = ErrorModel(profile)
     base = _baselines_allowed(space, model, errors, cfg)
     study = _open_study(profile, space, cfg)
@@ -194,6 +196,17 @@ def tune(
     chosen, emitted = _guard(best, base, meta)
     return TuneResult(policy=emitted, chosen=chosen, tuned=best, baselines=base, top=top,
                       exact=exact, trials=len(study.trials), wall_s=time.perf_counter() - started)
+
+
+def _topology_searched(model: CostModel, what_if: WhatIf | None) -> bool:
+    """Whether the (what-if) cluster has several hosts of several ranks and an intra-host
+    link to predict a hierarchical exchange on: then the study searches the topology."""
+    what_if = what_if or WhatIf()
+    try:
+        layout = model.layout(what_if, what_if.world_size or model.world_size)
+    except ProfileError:
+        return False
+    return layout.hierarchical and (model.intra is not None or what_if.intra_bandwidth_bps is not None)
 
 
 def _baselines_allowed(space: SearchSpace, model: CostModel, errors: ErrorModel,
@@ -246,6 +259,8 @@ def _search(study: Any, space: SearchSpace, model: CostModel, errors: ErrorModel
     def objective(trial: optuna.Trial) -> float:
         cap = trial.suggest_categorical("bucket_cap_mb", list(space.caps))
         choice = {g.key: trial.suggest_categorical(g.key, list(g.options)) for g in space.groups}
+        if len(space.topologies) > 1:
+            choice[TOPOLOGY] = trial.suggest_categorical(TOPOLOGY, list(space.topologies))
         policy = space.policy(cap, choice)
         err = errors.of(policy)
         trial.set_user_attr("error", err)
@@ -359,8 +374,10 @@ def _ranked_trials(study: Any, space: SearchSpace, max_error: float) -> list[tup
             continue
         if "bucket_cap_mb" not in t.params or any(g.key not in t.params for g in space.groups):
             continue
-        rows.append((float(t.params["bucket_cap_mb"]), {g.key: t.params[g.key] for g in space.groups},
-                     float(t.value)))
+        choice = {g.key: t.params[g.key] for g in space.groups}
+        if TOPOLOGY in t.params and t.params[TOPOLOGY] in space.topologies:
+            choice[TOPOLOGY] = t.params[TOPOLOGY]
+        rows.append((float(t.params["bucket_cap_mb"]), choice, float(t.value)))
     rows.sort(key=lambda r: r[2])
     return rows
 
@@ -395,5 +412,14 @@ def _refine(space: SearchSpace, model: CostModel, errors: ErrorModel, max_error:
         t, e = evaluate(other, layers)
         if t < best_t * (1 - 1e-6):
             best_t, best_e, cap = t, e, other
+    if len(space.topologies) > 1:  # and the other topology, with the rest as found
+        flipped = {**choice, TOPOLOGY: next(
+            x for x in space.topologies if x != choice.get(TOPOLOGY, "flat"))}
+        kept, choice = choice, flipped  # evaluate() reads choice
+        t, e = evaluate(cap, layers)
+        if t < best_t * (1 - 1e-6):
+            best_t, best_e = t, e
+        else:
+            choice = kept
     policy = space.policy(cap, choice, layers)
     return Candidate("tuned", policy, best_t, best_e, best_e <= max_error)
