@@ -11,8 +11,16 @@ where the model has row-sparse gradients, ``rowsparse`` on its embeddings. Repor
 median step (the slowest rank's) of each, hierarchical/flat per method, and rank 0's
 per-bucket breakdown (where the intra-host stages show as intra_reduce/intra_share).
 
+With ``--tune`` (the default) each cell first does what a user would: profile the same
+cluster, tune (the study searches flat and hierarchical per policy) and verify; the
+written policy is then measured as ``tuned`` beside the others, and the cost model
+fitted on that profile predicts every configuration: the error of its predicted ratio to
+DDP against the measured one is the model's accuracy on the cell. Each cell's profile is
+written beside ``--out`` (for ``autotune simulate --hosts`` what-ifs).
+
     python bench/hierarchical.py [--workloads cnn,dlrm] [--links 1gbit,100mbit]
                                  [--hosts 2] [--nproc-per-node 2] [--rounds 5] [--block 2]
+                                 [--no-tune] [--budget-s 40] [--verify 4]
 """
 
 from __future__ import annotations
@@ -31,7 +39,13 @@ from rich.table import Table
 from autotune.emulate import EmulatedCluster
 from autotune.launch import launch
 from autotune.links import parse_link
+from autotune.models.cost_model import CostModel
+from autotune.policies import Policy
+from autotune.probes.run import profile_job
 from autotune.runtime.hook import PHASES
+from autotune.search.defaults import candidate_pool
+from autotune.search.tuner import tune
+from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, verify_result
 from autotune.workloads import resolve_workload
 
 CAP_MB = 25.0
@@ -66,6 +80,26 @@ def _setups(workload: str) -> tuple[list[dict[str, Any]], list[str]]:
     return setups, list(methods)
 
 
+def _policy_of(setup: dict[str, Any]) -> Policy:
+    """Our policy for a set-up (plain DDP and the stock hook: ours for the same method
+    and buckets), as the cost model is asked about it."""
+    if setup["kind"] == "policy":
+        return Policy.from_dict(setup["policy"])
+    spec = ({"compressor": "none"} if setup["kind"] == "ddp"
+            else {"compressor": "powersgd", "rank": setup["rank"]})
+    return Policy.from_dict({"version": 1, "bucket_cap_mb": setup["bucket_cap_mb"], "default": spec})
+
+
+def model_accuracy(model: CostModel, setups: list[dict[str, Any]], med: dict[str, float]) -> dict[str, Any]:
+    """The cost model's predicted ratio to DDP of every set-up against the measured one."""
+    predicted = {s["name"]: model.predict(_policy_of(s)).step_s for s in setups}
+    errors = {n: (predicted[n] / predicted["ddp"]) / (med[n] / med["ddp"]) - 1
+              for n in predicted if n != "ddp"}
+    size = sorted(abs(e) for e in errors.values())
+    return {"predicted_s": predicted, "ratio_error": errors,
+            "median_ratio_error": statistics.median(size), "max_ratio_error": size[-1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="cnn,dlrm")
@@ -75,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved blocks per configuration")
     parser.add_argument("--block", type=int, default=2, help="consecutive steps per block")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile, tune and verify each cell, and measure the written policy")
+    parser.add_argument("--budget-s", type=float, default=40.0, help="profile budget per cell")
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--verify", type=int, default=DEFAULT_CANDIDATES, metavar="K")
+    parser.add_argument("--verify-budget", type=float, default=DEFAULT_BUDGET_S)
     parser.add_argument("--out", type=Path, default=Path("bench/results/hierarchical.json"))
     args = parser.parse_args(argv)
     console = Console(width=220)
@@ -86,6 +126,18 @@ def main(argv: list[str] | None = None) -> int:
             for workload in args.workloads.split(","):
                 t0 = time.perf_counter()
                 setups, methods = _setups(workload)
+                tuned: dict[str, Any] = {}
+                if args.tune:
+                    profile = profile_job(cluster, workload=workload, budget_s=args.budget_s, link=link)
+                    profile.save(args.out.with_name(f"{args.out.stem}_{link}_{workload}.profile.json"))
+                    result = tune(profile, trials=args.trials, seed=0, top_k=candidate_pool(args.verify))
+                    policy, verified = verify_result(result, args.verify, workload, cluster,
+                                                     budget_s=args.verify_budget)
+                    setups.append({"name": "tuned", "kind": "policy", "policy": policy.to_dict()})
+                    tuned = {"policy": policy.to_dict(), "chosen": policy.meta.get("chosen"),
+                             "topology": policy.topology, "verified": verified,
+                             "profile_tune_verify_s": time.perf_counter() - t0,
+                             "model": CostModel.fit(profile)}
                 measured = launch("autotune.measure:rank_measure", placement=cluster, timeout=7200,
                                   kwargs={"workload": workload, "setups": setups,
                                           "rounds": args.rounds, "block": args.block,
@@ -96,8 +148,18 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append({"link": link, "workload": workload, "median_s": med,
                               "hierarchical_over_flat": ratios, "methods": methods,
                               "wall_s": time.perf_counter() - t0, "results": measured["results"]})
+                if tuned:
+                    model = tuned.pop("model")
+                    others = [n for n in med if n != "tuned"]
+                    best = min(others, key=med.__getitem__)
+                    cells[-1]["tuned"] = tuned | {"best_other": best,
+                                                  "tuned_over_best": med["tuned"] / med[best]}
+                    cells[-1]["model_accuracy"] = model_accuracy(model, setups, med)
                 console.print(f"{link} {workload}: " + ", ".join(
-                    f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({cells[-1]['wall_s']:.0f} s)")
+                    f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({cells[-1]['wall_s']:.0f} s)"
+                    + (f"; tuned {tuned['chosen']} {cells[-1]['tuned']['tuned_over_best']:.3f}x the best "
+                       f"other ({cells[-1]['tuned']['best_other']}), model ratio error median "
+                       f"{cells[-1]['model_accuracy']['median_ratio_error']:.1%}" if tuned else ""))
                 save_cells("hierarchical", args, cells, started)
 
     table = Table(title=f"{args.hosts} hosts x {args.nproc_per_node} ranks: median step ms "
@@ -114,6 +176,21 @@ def main(argv: list[str] | None = None) -> int:
                           f"{med[f'flat:{m}'] * 1e3:.0f}", f"{med[f'hierarchical:{m}'] * 1e3:.0f}",
                           f"{c['hierarchical_over_flat'][m]:.3f}")
     console.print(table)
+    if any("tuned" in c for c in cells):
+        tt = Table(title="the policy autotune wrote for the cell (profile, tune, verify on the same cluster), "
+                         "and the cost model's error of the predicted ratio to DDP over the cell's set-ups")
+        for col in ("link", "workload", "tuned ms", "chosen", "topology", "best other", "tuned/best",
+                    "model ratio error: median", "max", "profile+tune+verify s"):
+            tt.add_column(col, justify="left" if col in ("link", "workload", "chosen", "topology",
+                                                         "best other") else "right")
+        for c in cells:
+            if "tuned" in c:
+                t, a = c["tuned"], c["model_accuracy"]
+                tt.add_row(c["link"], c["workload"], f"{c['median_s']['tuned'] * 1e3:.0f}", str(t["chosen"]),
+                           t["topology"], t["best_other"], f"{t['tuned_over_best']:.3f}",
+                           f"{a['median_ratio_error']:.1%}", f"{a['max_ratio_error']:.1%}",
+                           f"{t['profile_tune_verify_s']:.0f}")
+        console.print(tt)
 
     phases = [p for p in PHASES if any(p in r.get("breakdown", {}).get("per_step_s", {})
                                        for c in cells for r in c["results"])]
@@ -127,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                 bd.add_row(c["link"], c["workload"], r["name"], f"{r['step_s_median'] * 1e3:.0f}",
                            *(f"{per[p] * 1e3:.1f}" if p in per else "" for p in phases))
     console.print(bd)
-    console.print("target: hierarchical <= 0.7x flat with the same method at 100 Mbit")
+    console.print("targets: hierarchical <= 0.7x flat with the same method at 100 Mbit; tuned <= 1.00x "
+                  "the best of the others; model ratio error <= 10%")
     console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
     return 0
 

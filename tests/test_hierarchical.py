@@ -140,3 +140,46 @@ def test_hierarchical_runs_flat_on_one_host(run_ranks) -> None:
     for r in run_ranks("test_hierarchical:rank_flat_when_one_host"):
         assert r["hierarchy"] is False
         assert "intra_reduce" not in r["phases"]
+
+
+def rank_nonfinite_then_lost(bad_step: int = 3, lost_step: int = 6) -> dict[str, Any]:
+    """Hierarchical PowerSGD and fp16 on 2 x 2 ranks: at ``bad_step`` rank 3's loss is
+    NaN (every bucket must then go by plain allreduce on every rank, and the next step
+    compress again); at ``lost_step`` rank 3 leaves, and the others' next backward must
+    fail with a message, not wait."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = autotune.wrap(model, _hierarchical(model, 0.05, [{"compressor": "powersgd", "rank": 1},
+                                                           {"compressor": "fp16"}]))
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"fallbacks": []}
+    for step in range(lost_step + 2):
+        if step == lost_step and rank == 3:
+            return out | {"left": True}
+        x, y = _batch(step)
+        try:
+            loss = F.cross_entropy(ddp(x), y)
+            if step == bad_step and rank == 3:
+                loss = loss * float("nan")
+            loss.backward()
+        except RuntimeError as exc:  # from backward, or from DDP's buffer broadcast in forward
+            return out | {"error": str(exc).splitlines()[0]}
+        if step == bad_step:
+            out["nans"] = sum(int(p.grad.isnan().sum()) for p in model.parameters())
+        elif step > bad_step:
+            out["finite"] = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+        out["fallbacks"].append(sorted({r.fallback for r in ddp.comm_state.last_step_records()}))
+        model.zero_grad()
+    return out
+
+
+def test_hierarchical_nonfinite_falls_back_and_a_lost_rank_ends_the_others() -> None:
+    results = _two_hosts("rank_nonfinite_then_lost")
+    assert results[3]["left"]
+    for rank, r in enumerate(results):
+        # the NaN reached every rank, as under DDP (ReLU's backward zeroes some of it)
+        assert r["nans"] > 0 and r["nans"] == results[0]["nans"], rank
+        assert r["fallbacks"][3] == ["nonfinite"] and r["fallbacks"][4] == [""], (rank, r["fallbacks"])
+        assert r["finite"], rank
+    for r in results[:3]:  # DDP's forward, or our hook, names what was lost
+        assert "Connection reset by peer" in r["error"] or "a peer rank was lost" in r["error"], r

@@ -42,8 +42,9 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "demo",
         "The main job: on the built-in workload with 2 ranks, take a profile, tune a\n"
         "policy, and measure it next to plain DDP, fp16, PowerSGD rank 1 and 4 (PyTorch's\n"
-        "own hooks) and the compute-only floor. As root the two ranks sit on two emulated\n"
-        "hosts joined by a shaped link (--link, default 1gbit); otherwise on loopback.\n"
+        "own hooks) and the compute-only floor. As root the ranks sit on emulated hosts\n"
+        "(--hosts, default 2, with --nproc-per-node ranks each, default 1) joined by a\n"
+        "shaped link (--link, default 1gbit); otherwise 2 ranks on loopback.\n"
         "Writes OUT_DIR/profile.json, study.db, policy.json, bench.json and\n"
         "OUT_DIR/report/index.html (`autotune report`, needs matplotlib).",
     )
@@ -52,7 +53,12 @@ def add_demo_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                              "(a file or module is imported: this runs that file's code, as "
                              "`python file.py` would)")
     parser.add_argument("--link", default="1gbit",
-                        help="emulated link between the two hosts when run as root ('none': loopback)")
+                        help="emulated link between the hosts when run as root ('none': loopback)")
+    parser.add_argument("--hosts", type=positive_int, default=2,
+                        help="emulated hosts when run as root (with --link none or without "
+                             "root: one host)")
+    parser.add_argument("--nproc-per-node", type=positive_int, default=None,
+                        help="ranks per host (default: 1 on emulated hosts, 2 on one host)")
     parser.add_argument("--budget-s", type=positive_float, default=40.0, help="probing budget")
     parser.add_argument("--trials", type=positive_int, default=200, help="tuning trials")
     parser.add_argument("--steps", type=positive_int, default=9, help="measured steps per configuration")
@@ -97,12 +103,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     emulate, why = available()
     link: str | None = args.link
-    if link == "none" or not emulate:
-        where = "2 local ranks on loopback" + ("" if link == "none" else f" ({why})")
-        hosts, nproc_per_node, link = 1, 2, None
+    if link == "none" or not emulate or args.hosts == 1:
+        hosts, nproc_per_node, link = 1, args.nproc_per_node or 2, None
+        reason = "" if args.link == "none" or args.hosts == 1 else f" ({why})"
+        where = f"{nproc_per_node} local ranks on loopback{reason}"
     else:
-        where = f"2 emulated hosts joined by a {link} link, one rank each"
-        hosts, nproc_per_node = 2, 1
+        hosts, nproc_per_node = args.hosts, args.nproc_per_node or 1
+        where = (f"{hosts} emulated hosts joined by a {link} link, "
+                 + ("one rank each" if nproc_per_node == 1 else f"{nproc_per_node} ranks each"))
     out.print(f"[bold]autotune demo[/bold]: {args.workload} on {where}")
 
     out.rule("1. profile")

@@ -102,7 +102,14 @@ class Channel:
                 continue
             fut.set_result(result)
 
+    @property
+    def failure(self) -> RankFailure | None:
+        """The error of the first job that failed (every later job fails with it)."""
+        return self._failure
+
     def _as_failure(self, exc: BaseException) -> RankFailure:
+        if isinstance(exc, RankFailure):  # already names the rank and the reason
+            return exc
         reason = " ".join(str(exc).split()) or type(exc).__name__
         who = f"rank {dist.get_rank()}" if dist.is_initialized() else self._name
         hint = " (a peer rank was lost or stopped responding)" if _PEER_LOST.search(reason) else ""

@@ -16,10 +16,12 @@ survive DDP's bucket rebuild) and reduces each group with one collective per sta
   :data:`PHASES`): per step and bucket in :meth:`AutotuneState.last_step_records`,
   summed over a step in :meth:`AutotuneState.step_breakdown`, and since construction in
   :attr:`AutotuneState.breakdown_totals`.
-* Policies with ``topology: "hierarchical"`` reduce every bucket in three stages on the
-  channel (see topology.py): summed onto each host's leader, exchanged between the
-  leaders with the bucket's compressors, broadcast inside each host. Their process
-  groups are made when such a policy is first set (on every rank, between steps).
+* Policies with ``topology: "hierarchical"`` reduce every bucket in three stages (see
+  topology.py): summed onto each host's leader on the channel, then, on a second
+  channel, exchanged between the leaders with the bucket's compressors and broadcast
+  inside each host; so one bucket's intra-host sum overlaps the previous one's
+  exchange on the slow link. Their process groups are made when such a policy is first
+  set (on every rank, between steps).
 * Nothing is compressed before step ``compress_from_step`` (default 2): DDP rebuilds its
   buckets after the first iteration, and PowerSGD's state must start after that.
 * The **guard**: before compressing a bucket, the ranks agree, in one 8-byte allreduce
@@ -51,7 +53,7 @@ import torch.distributed as dist
 
 from autotune.compressors import Compressor, CompressorSpec, GroupComm, create
 from autotune.compressors.base import AllreduceCompressor
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, RankFailure
 from autotune.runtime.channel import Channel
 from autotune.runtime.topology import Hierarchy
 
@@ -68,6 +70,7 @@ PHASES = (
     # bucket finished, whichever is later
     "guard",  # the hook's finiteness check and issuing the guard's allreduce
     "queue",  # handed over, waiting behind earlier buckets for the communication thread
+    # (hierarchical buckets: also between their intra-host sum and their exchange)
     "guard_wait",  # the thread waiting for the guard's agreement
     "intra_reduce",  # hierarchical buckets: summing the bucket onto the host's leader
     "flatten",  # copies into the compressor's working layout (views cost nothing)
@@ -201,6 +204,7 @@ class AutotuneState:
         self._hierarchy: Hierarchy | None = None
         self._hierarchy_built = False
         self._leader_comm: GroupComm | None = None
+        self._channel2: Channel | None = None  # hierarchical buckets' later stages
         self._prepare_topology(policy)
 
         # statistics
@@ -335,14 +339,17 @@ class AutotuneState:
             record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
         handed = time.perf_counter()
         hierarchy = self.hierarchy
+        log: list[tuple[str, float, float, int]] = []
+        times: dict[str, float] = {}
 
         def job() -> torch.Tensor:
+            """The whole reduction (flat), or the first stage of a hierarchical one."""
             comm = self._get_comm()
-            began = time.perf_counter()
+            times["began"] = began = time.perf_counter()
             record.breakdown["queue"] = began - handed
             fallback = agreement is not None and self._agree_fallback(*agreement, record)
-            worked = time.perf_counter()
-            comm.log = log = []
+            times["worked"] = time.perf_counter()
+            comm.log = log
             try:
                 if fallback:
                     if record.fallback == "nonfinite":  # the step will be skipped: still owed
@@ -350,20 +357,40 @@ class AutotuneState:
                     self._exact.reduce([buffer], ("bucket",), comm)
                     record.bytes_by_compressor["none"] = buffer.numel() * buffer.element_size()
                 elif hierarchy is not None:
-                    self._reduce_hierarchical(plan, buffer, hierarchy, log, record)
+                    start = time.perf_counter()
+                    dist.reduce(buffer, dst=hierarchy.leader, group=hierarchy.intra)
+                    log.append(("intra_reduce", start, time.perf_counter(),
+                                buffer.numel() * buffer.element_size()))
                 else:
                     self._reduce_groups(plan, buffer, comm, log, record)
             finally:
                 comm.log = None
-                if self._leader_comm is not None:
-                    self._leader_comm.log = None
+            return buffer if hierarchy is not None else done()  # (then the second channel)
+
+        def done() -> torch.Tensor:
             end = time.perf_counter()
-            _account(record, log, worked, end)
-            record.job_s = end - began
+            _account(record, log, times["worked"], end)
+            record.job_s = end - times["began"]
             self._finish(record)
             return buffer
 
-        return self._channel.submit(job, buffer.device)
+        first = self._channel.submit(job, buffer.device)
+        if hierarchy is None:
+            return first
+
+        def exchange() -> torch.Tensor:
+            """The hierarchical exchange's later stages (see _exchange_hierarchical)."""
+            try:
+                first.wait()
+            except Exception:  # the first stage failed: its error, not a copy of it
+                raise self._channel.failure or RankFailure("the first stage of a hierarchical "
+                                                           "reduction failed") from None
+            if record.fallback:  # reduced by plain allreduce in the first stage
+                return done()
+            self._exchange_hierarchical(plan, buffer, hierarchy, log, record)
+            return done()
+
+        return self._second_channel().submit(exchange, buffer.device)
 
     @staticmethod
     def _reduce_groups(plan: _Plan, buffer: torch.Tensor, comm: GroupComm,
@@ -378,23 +405,35 @@ class AutotuneState:
                 record.bytes_by_compressor.get(group.label, 0) + sent
             )
 
-    def _reduce_hierarchical(self, plan: _Plan, buffer: torch.Tensor, hierarchy: Hierarchy,
-                             log: list[tuple[str, float, float, int]], record: BucketRecord) -> None:
-        """The three stages of topology.py, on the communication thread: sum onto the
-        leader, the leaders' compressed exchange, the leader's broadcast."""
-        nbytes = buffer.numel() * buffer.element_size()
+    def _exchange_hierarchical(self, plan: _Plan, buffer: torch.Tensor, hierarchy: Hierarchy,
+                               log: list[tuple[str, float, float, int]], record: BucketRecord) -> None:
+        """Stages 2 and 3 of topology.py, on the second channel once the host's sum is on
+        its leader: the leaders' compressed exchange, the leader's broadcast. The first
+        channel meanwhile sums the next bucket inside the host, so the slow link is not
+        idle while the fast one works. Each group is used by one thread only, in bucket
+        order (intra: the first channel; leaders and share: the second), which keeps
+        gloo's collectives matched on every rank."""
+        waited = log[-1][2] if log else record.start  # the end of the first stage
         start = time.perf_counter()
-        dist.reduce(buffer, dst=hierarchy.leader, group=hierarchy.intra)
-        log.append(("intra_reduce", start, time.perf_counter(), nbytes))
+        log.append(("queue", waited, start, 0))  # behind earlier buckets' exchange
+        nbytes = buffer.numel() * buffer.element_size()
         if hierarchy.is_leader:
             if self._leader_comm is None:
                 self._leader_comm = GroupComm(hierarchy.leaders)
             self._leader_comm.log = log
-            buffer.mul_(hierarchy.scale)  # the leaders' average is then every rank's mean
-            self._reduce_groups(plan, buffer, self._leader_comm, log, record)
+            try:
+                buffer.mul_(hierarchy.scale)  # the leaders' average is then every rank's mean
+                self._reduce_groups(plan, buffer, self._leader_comm, log, record)
+            finally:
+                self._leader_comm.log = None
         start = time.perf_counter()
-        dist.broadcast(buffer, src=hierarchy.leader, group=hierarchy.intra)
+        dist.broadcast(buffer, src=hierarchy.leader, group=hierarchy.share)
         log.append(("intra_share", start, time.perf_counter(), nbytes))
+
+    def _second_channel(self) -> Channel:
+        if self._channel2 is None:
+            self._channel2 = Channel(name=f"autotune-hier-{self.rank}")
+        return self._channel2
 
     def _direct(
         self, comp: AllreduceCompressor, buffer: torch.Tensor, index: int, step: int,
@@ -589,6 +628,8 @@ class AutotuneState:
         finalization, with its worker threads, can abort the process (seen here as
         "terminate called without an active exception" after a run had finished)."""
         self._channel.close()
+        if self._channel2 is not None:
+            self._channel2.close()
         self._comm = None
         self._side_group = None  # type: ignore[assignment]
         self._guard_group = None

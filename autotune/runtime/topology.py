@@ -52,7 +52,9 @@ class Hierarchy:
         local_size: ranks on this rank's host.
         leader: global rank of this host's leader (its first rank).
         is_leader: this rank is its host's leader.
-        intra: the group of this host's ranks.
+        intra: the group of this host's ranks (the sums onto the leader).
+        share: another group of this host's ranks (the leader's broadcasts), so that the
+            two stages may run on two threads.
         leaders: the group of every host's leader (None on the other ranks).
         scale: what a leader multiplies its host's sum by before the exchange, so that
             the leaders' average is the mean over every rank: hosts / world size.
@@ -63,6 +65,7 @@ class Hierarchy:
     leader: int
     is_leader: bool
     intra: dist.ProcessGroup
+    share: dist.ProcessGroup
     leaders: dist.ProcessGroup | None
     scale: float
 
@@ -82,10 +85,11 @@ class Hierarchy:
         me = dist.get_rank()
         # every rank makes every group, in the same order, as new_group requires
         intra = {h: dist.new_group(ranks=r, timeout=timeout) for h, r in by_host.items()}
+        share = {h: dist.new_group(ranks=r, timeout=timeout) for h, r in by_host.items()}
         leader_ranks = [r[0] for r in by_host.values()]
         leaders = dist.new_group(ranks=leader_ranks, timeout=timeout)
         mine = ids[ranks.index(me)]
         return cls(hosts=len(by_host), local_size=len(by_host[mine]), leader=by_host[mine][0],
-                   is_leader=me == by_host[mine][0], intra=intra[mine],
+                   is_leader=me == by_host[mine][0], intra=intra[mine], share=share[mine],
                    leaders=leaders if me in leader_ranks else None,
                    scale=len(by_host) / len(ranks))
