@@ -182,4 +182,4 @@ def test_hierarchical_nonfinite_falls_back_and_a_lost_rank_ends_the_others() -> 
         assert r["fallbacks"][3] == ["nonfinite"] and r["fallbacks"][4] == [""], (rank, r["fallbacks"])
         assert r["finite"], rank
     for r in results[:3]:  # DDP's forward, or our hook, names what was lost
-        assert "Connection reset by peer" in r["error"] or "a peer rank was lost" in r["error"], r
+        assert "by peer" in r["error"] or "a peer rank was lost" in r["error"], r

@@ -71,6 +71,11 @@ def test_calibration_simulate_and_tuner_baselines_iterate_the_table() -> None:
 
     policies = calibration_policies(resolve_workload("cnn"))
     assert policies[: len(DEFAULT_PRESETS)] == [None if p.plain else p.policy(None) for p in DEFAULT_PRESETS]
+    # on hosts of several ranks, each preset hierarchical too, for the residual to learn
+    # what the intra-host stages cost
+    more = calibration_policies(resolve_workload("cnn"), hierarchical=True)
+    assert more[: len(policies)] == policies
+    assert [Policy.from_dict(p).topology for p in more[len(policies):]] == ["hierarchical"] * len(DEFAULT_PRESETS)
     named = baseline_policies()
     assert list(named) == [p.name for p in DEFAULT_PRESETS] and named["ddp"] is None
     assert named["powersgd1"] == Policy.from_dict(preset("powersgd1").policy())

@@ -48,7 +48,8 @@ __all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "calibration_pairs",
 logger = logging.getLogger(__name__)
 
 # 2: rowsparse's codec time reads the row density (a fourth feature it did not have)
-MODEL_VERSION = 2
+# 3: the residual reads intra_mb (hierarchical policies' intra-host bytes)
+MODEL_VERSION = 3
 _RUNTIME_COLLECTIVES = ("allreduce", "allgather")  # what the runtime issues
 
 
@@ -199,7 +200,8 @@ class CostModel:
     def _residual_row(est: StepEstimate) -> list[float]:
         row = {"simulated_s": est.simulated_s, "codec_s": est.codec_s, "comm_s": est.comm_s,
                "threaded_collectives": float(est.threaded_collectives),
-               "threaded_buckets": float(est.threaded_buckets), "half_mb": est.half_bytes / 1e6}
+               "threaded_buckets": float(est.threaded_buckets), "half_mb": est.half_bytes / 1e6,
+               "intra_mb": est.intra_bytes / 1e6}
         return [row[k] for k in RESIDUAL_FEATURES]
 
     # --------------------------------------------------------------- predicting

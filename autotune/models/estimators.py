@@ -206,6 +206,8 @@ RESIDUAL_FEATURES = (
     "threaded_collectives",  # collectives issued from the communication thread
     "threaded_buckets",  # buckets handed to that thread
     "half_mb",  # MB reduced as 2-byte floats: gloo sums them on the CPU
+    "intra_mb",  # MB through hierarchical intra-host stages: sums and copies on the CPU,
+    # beside the other ranks of the host
 )
 
 

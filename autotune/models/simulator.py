@@ -17,10 +17,12 @@ Ranks are symmetric, so one rank's timeline is the job's. The step is::
   ``contention`` = 1 (CPU ranks, one core each) codec work that overlaps backward delays
   it one for one; with 0 (a GPU's separate stream) it does not.
 * Hierarchical policies (``topology: "hierarchical"``, :class:`Layout` given): every
-  bucket goes through the thread in three stages: summed onto the host's leader over the
-  intra-host link (``ceil(log2(ranks per host))`` hops of the whole bucket), the groups'
-  collectives among the leaders (world = hosts), the leader's broadcast back (as many
-  hops). The leader's timeline is the job's (the other ranks wait for it).
+  bucket goes through three stages: summed onto the host's leader over the intra-host
+  link (``ceil(log2(ranks per host))`` hops of the whole bucket) on a first channel,
+  then on a second one the groups' collectives among the leaders (world = hosts) and
+  the leader's broadcast back (as many hops), so the next bucket's sum overlaps this
+  one's exchange, as the runtime pipelines them. The leader's timeline is the job's
+  (the other ranks wait for it).
 * The step ends when backward and the channel are both done, plus the optimizer and
   whatever else the compute-only step held (zero_grad, data): ``floor - backward``.
 
@@ -163,6 +165,7 @@ class BucketEvent:
     spans: tuple[tuple[str, str, float, float], ...] = ()  # (track, label, start, end)
     threaded: bool = False  # reduced on the communication thread (not DDP's allreduce)
     half_bytes: int = 0
+    intra_bytes: int = 0  # moved by the intra-host stages of a hierarchical bucket
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class StepEstimate:
     threaded_buckets: int = 0  # buckets reduced on the communication thread
     threaded_collectives: int = 0  # collectives that thread issued
     half_bytes: int = 0  # bytes reduced as 2-byte floats (summed on the CPU by gloo)
+    intra_bytes: int = 0  # bytes through hierarchical buckets' intra-host sum and share
 
     def breakdown(self) -> dict[str, float]:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "codec_s": self.codec_s,
@@ -284,6 +288,7 @@ def simulate(
         threaded_buckets=sum(1 for ev in events if ev.threaded),
         threaded_collectives=sum(ev.collectives for ev in events if ev.threaded),
         half_bytes=sum(ev.half_bytes for ev in events),
+        intra_bytes=sum(ev.intra_bytes for ev in events),
     )
 
 
@@ -296,10 +301,11 @@ def _channel(
     comm_time: CommTime, codec_time: CodecTime, world: int, hier: Layout | None = None,
 ) -> list[BucketEvent]:
     events: list[BucketEvent] = []
-    free = 0.0
+    free = 0.0  # the channel (hierarchical: the second one, the exchange and the share)
+    free_first = 0.0  # hierarchical: the first channel, the intra-host sums
     for index, (members, groups) in enumerate(buckets):
         ready = max(p.ready_s for p in members) * stretch
-        t = start = max(ready, free)
+        t = start = max(ready, free if hier is None else free_first)
         spans: list[tuple[str, str, float, float]] = []
         codec_total = comm_total = 0.0
         wire = calls = half = 0
@@ -313,6 +319,9 @@ def _channel(
             t += dt
             comm_total += dt
             calls += 1
+            # the next bucket's sum may start now; this one's exchange waits for the
+            # second channel (the runtime's pipeline, runtime/hook.py)
+            free_first, t = t, max(t, free)
         if direct and not _compressor(groups[0].spec).lossy:  # DDP's own allreduce of the bucket
             nbytes = sum(p.numel * p.element_size for p in members)
             dt = comm_time("allreduce", nbytes, world)
@@ -345,7 +354,8 @@ def _channel(
             comm_total += dt
             calls += 1
         threaded = not direct  # fp16/bf16 buckets go the stock hooks' way, not the thread
+        intra = 2 * hier.hops * bucket_bytes if hier is not None else 0
         events.append(BucketEvent(index, len(members), numel, ready, start, t, codec_total,
-                                  comm_total, wire, calls, tuple(spans), threaded, half))
+                                  comm_total, wire, calls, tuple(spans), threaded, half, intra))
         free = t
     return events

@@ -102,11 +102,11 @@ def rank_profile(
         distribute=True,  # each rank measures a share of the grid
     )
     report("calibrate", 0.0)
+    hosts = len(set(network["hosts"]))
     if calibrate == "default":
-        calibrate = calibration_policies(work)
+        calibrate = calibration_policies(work, hierarchical=1 < hosts < dist.get_world_size())
     calibration = _calibrate(workload, list(calibrate or []), report)
     report("calibrate", 1.0)
-    hosts = len(set(network["hosts"]))
     env = environment(link)
     env.update(hosts=hosts, wall_s=time.perf_counter() - started)
     info = describe(work)
@@ -124,9 +124,11 @@ def rank_profile(
     return Profile.from_dict(data, source="probed profile").to_dict()
 
 
-def calibration_policies(work: Any) -> list[dict[str, Any] | None]:
+def calibration_policies(work: Any, hierarchical: bool = False) -> list[dict[str, Any] | None]:
     """The default presets (plain DDP, fp16, PowerSGD rank 1 and 4: None for plain DDP,
-    the others our equivalents), and a few random mixed policies."""
+    the others our equivalents), and a few random mixed policies; on hosts of several
+    ranks (``hierarchical``) also the presets' hierarchical variants, whose intra-host
+    stages the residual must learn to cost."""
     import random
 
     from autotune.probes.sampling import random_policy
@@ -135,6 +137,8 @@ def calibration_policies(work: Any) -> list[dict[str, Any] | None]:
     rng = random.Random(CALIBRATION_SEED)
     out: list[dict[str, Any] | None] = [None if p.plain else p.policy(None) for p in DEFAULT_PRESETS]
     out += [random_policy(params, rng).to_dict() for _ in range(CALIBRATION_RANDOM)]
+    if hierarchical:
+        out += [p.policy(None) | {"topology": "hierarchical"} for p in DEFAULT_PRESETS]
     return out
 
 

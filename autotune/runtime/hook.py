@@ -88,6 +88,12 @@ logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2  # 2 adds the rank and world size (error feedback is per rank)
 
+# Hierarchical buckets of one elementwise method move in chunks of this many bytes, so
+# that a chunk's intra-host sum overlaps the previous chunk's exchange. Each chunk costs
+# its collectives' latency (about a millisecond on gloo), so larger chunks suit links
+# with high latency, smaller ones fast links with large buckets.
+CHUNK_BYTES = 4 * 2**20
+
 
 @dataclass
 class BucketRecord:
@@ -338,59 +344,113 @@ class AutotuneState:
             agreement = self._start_agreement(buffer, joined)
             record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
         handed = time.perf_counter()
-        hierarchy = self.hierarchy
+        if self.hierarchy is not None:
+            return self._submit_hierarchical(plan, buffer, self.hierarchy, record, agreement,
+                                             paid, handed)
         log: list[tuple[str, float, float, int]] = []
-        times: dict[str, float] = {}
 
         def job() -> torch.Tensor:
-            """The whole reduction (flat), or the first stage of a hierarchical one."""
             comm = self._get_comm()
-            times["began"] = began = time.perf_counter()
+            began = time.perf_counter()
             record.breakdown["queue"] = began - handed
             fallback = agreement is not None and self._agree_fallback(*agreement, record)
-            times["worked"] = time.perf_counter()
+            worked = time.perf_counter()
             comm.log = log
             try:
                 if fallback:
-                    if record.fallback == "nonfinite":  # the step will be skipped: still owed
-                        self._carry.update(paid)
-                    self._exact.reduce([buffer], ("bucket",), comm)
-                    record.bytes_by_compressor["none"] = buffer.numel() * buffer.element_size()
-                elif hierarchy is not None:
-                    start = time.perf_counter()
-                    dist.reduce(buffer, dst=hierarchy.leader, group=hierarchy.intra)
-                    log.append(("intra_reduce", start, time.perf_counter(),
-                                buffer.numel() * buffer.element_size()))
+                    self._reduce_exact(buffer, paid, comm, record)
                 else:
                     self._reduce_groups(plan, buffer, comm, log, record)
             finally:
                 comm.log = None
-            return buffer if hierarchy is not None else done()  # (then the second channel)
-
-        def done() -> torch.Tensor:
             end = time.perf_counter()
-            _account(record, log, times["worked"], end)
-            record.job_s = end - times["began"]
+            _account(record, log, worked, end)
+            record.job_s = end - began
             self._finish(record)
             return buffer
 
-        first = self._channel.submit(job, buffer.device)
-        if hierarchy is None:
-            return first
+        return self._channel.submit(job, buffer.device)
 
-        def exchange() -> torch.Tensor:
-            """The hierarchical exchange's later stages (see _exchange_hierarchical)."""
-            try:
-                first.wait()
-            except Exception:  # the first stage failed: its error, not a copy of it
-                raise self._channel.failure or RankFailure("the first stage of a hierarchical "
-                                                           "reduction failed") from None
-            if record.fallback:  # reduced by plain allreduce in the first stage
-                return done()
-            self._exchange_hierarchical(plan, buffer, hierarchy, log, record)
-            return done()
+    def _reduce_exact(self, buffer: torch.Tensor, paid: dict[str, torch.Tensor], comm: GroupComm,
+                      record: BucketRecord) -> None:
+        """The guard's fallback: the bucket averaged by plain allreduce over every rank."""
+        if record.fallback == "nonfinite":  # the step will be skipped: still owed
+            self._carry.update(paid)
+        self._exact.reduce([buffer], ("bucket",), comm)
+        record.bytes_by_compressor["none"] = buffer.numel() * buffer.element_size()
 
-        return self._second_channel().submit(exchange, buffer.device)
+    def _submit_hierarchical(
+        self, plan: _Plan, buffer: torch.Tensor, hierarchy: Hierarchy, record: BucketRecord,
+        agreement: tuple[Any, torch.Tensor, torch.Tensor] | None, paid: dict[str, torch.Tensor],
+        handed: float,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A hierarchical bucket as a two-stage pipeline (topology.py's three stages): the
+        channel sums it onto the host's leader; a second channel runs the leaders'
+        exchange and the leader's broadcast. So the slow link is not idle while the fast
+        one sums the next bucket. Every group is used by one thread only, in bucket order
+        (intra: the first channel; leaders and share: the second), which keeps gloo's
+        collectives matched on every rank.
+
+        A bucket of one elementwise method (``none``, ``fp16``, ``bf16``) moves in chunks
+        of :data:`CHUNK_BYTES`, so even its own sum and exchange overlap: only the first
+        chunk's sum and the last one's broadcast are exposed. Other methods need whole
+        tensors (PowerSGD's matrices, row-sparse rows) and go as one piece."""
+        numel = buffer.numel()
+        elementwise = len(plan.groups) == 1 and isinstance(plan.groups[0].compressor, AllreduceCompressor)
+        size = max(1, CHUNK_BYTES // buffer.element_size()) if elementwise else numel
+        spans = [(a, min(a + size, numel)) for a in range(0, numel, size)]
+        log: list[tuple[str, float, float, int]] = []  # appended by both threads
+        times: dict[str, float] = {}
+        summed: dict[int, float] = {}  # chunk start -> when its sum was done
+
+        def first_stage(a: int, b: int) -> Callable[[], torch.Tensor]:
+            def job() -> torch.Tensor:
+                if a == 0:
+                    times["began"] = time.perf_counter()
+                    record.breakdown["queue"] = times["began"] - handed
+                    fallback = agreement is not None and self._agree_fallback(*agreement, record)
+                    times["worked"] = time.perf_counter()
+                    if fallback:  # over every rank, flat; the later stages only finish it
+                        comm = self._get_comm()
+                        comm.log = log
+                        try:
+                            self._reduce_exact(buffer, paid, comm, record)
+                        finally:
+                            comm.log = None
+                if not record.fallback:
+                    start = time.perf_counter()
+                    dist.reduce(buffer[a:b], dst=hierarchy.leader, group=hierarchy.intra)
+                    summed[a] = end = time.perf_counter()
+                    log.append(("intra_reduce", start, end, (b - a) * buffer.element_size()))
+                return buffer
+            return job
+
+        def second_stage(a: int, b: int, first: torch.futures.Future[torch.Tensor],
+                         last: bool) -> Callable[[], torch.Tensor]:
+            def job() -> torch.Tensor:
+                try:
+                    first.wait()
+                except Exception:  # the first stage failed: its error, not a copy of it
+                    raise self._channel.failure or RankFailure(
+                        "the first stage of a hierarchical reduction failed") from None
+                if not record.fallback:
+                    self._exchange(plan, buffer, (a, b) if elementwise else None, hierarchy,
+                                   log, record, summed[a])
+                if not last:
+                    return buffer
+                end = time.perf_counter()
+                _account(record, log, times["worked"], end)
+                record.job_s = end - times["began"]
+                self._finish(record)
+                return buffer
+            return job
+
+        second = self._second_channel()
+        for i, (a, b) in enumerate(spans):
+            first = self._channel.submit(first_stage(a, b), buffer.device)
+            done = second.submit(second_stage(a, b, first, i == len(spans) - 1), buffer.device)
+        # the second channel runs in order: the last piece done means every piece done
+        return done
 
     @staticmethod
     def _reduce_groups(plan: _Plan, buffer: torch.Tensor, comm: GroupComm,
@@ -405,30 +465,36 @@ class AutotuneState:
                 record.bytes_by_compressor.get(group.label, 0) + sent
             )
 
-    def _exchange_hierarchical(self, plan: _Plan, buffer: torch.Tensor, hierarchy: Hierarchy,
-                               log: list[tuple[str, float, float, int]], record: BucketRecord) -> None:
-        """Stages 2 and 3 of topology.py, on the second channel once the host's sum is on
-        its leader: the leaders' compressed exchange, the leader's broadcast. The first
-        channel meanwhile sums the next bucket inside the host, so the slow link is not
-        idle while the fast one works. Each group is used by one thread only, in bucket
-        order (intra: the first channel; leaders and share: the second), which keeps
-        gloo's collectives matched on every rank."""
-        waited = log[-1][2] if log else record.start  # the end of the first stage
+    def _exchange(self, plan: _Plan, buffer: torch.Tensor, span: tuple[int, int] | None,
+                  hierarchy: Hierarchy, log: list[tuple[str, float, float, int]],
+                  record: BucketRecord, summed: float) -> None:
+        """The later stages of a hierarchical bucket (or of its chunk ``span``), once
+        its host's sum is on the leader: the leaders' exchange with the bucket's
+        compressors, then the leader's broadcast inside the host."""
         start = time.perf_counter()
-        log.append(("queue", waited, start, 0))  # behind earlier buckets' exchange
-        nbytes = buffer.numel() * buffer.element_size()
+        log.append(("queue", summed, start, 0))  # behind earlier pieces' exchange
+        piece = buffer if span is None else buffer[span[0]:span[1]]
         if hierarchy.is_leader:
             if self._leader_comm is None:
                 self._leader_comm = GroupComm(hierarchy.leaders)
-            self._leader_comm.log = log
+            comm = self._leader_comm
+            comm.log = log
             try:
-                buffer.mul_(hierarchy.scale)  # the leaders' average is then every rank's mean
-                self._reduce_groups(plan, buffer, self._leader_comm, log, record)
+                piece.mul_(hierarchy.scale)  # the leaders' average is then every rank's mean
+                if span is None:
+                    self._reduce_groups(plan, buffer, comm, log, record)
+                else:  # one elementwise method: the chunk as one tensor
+                    group = plan.groups[0]
+                    before = len(log)
+                    group.compressor.reduce([piece], ("bucket",), comm)
+                    record.bytes_by_compressor[group.label] = (
+                        record.bytes_by_compressor.get(group.label, 0)
+                        + sum(e[3] for e in log[before:] if e[0] in _COLLECTIVES))
             finally:
-                self._leader_comm.log = None
+                comm.log = None
         start = time.perf_counter()
-        dist.broadcast(buffer, src=hierarchy.leader, group=hierarchy.share)
-        log.append(("intra_share", start, time.perf_counter(), nbytes))
+        dist.broadcast(piece, src=hierarchy.leader, group=hierarchy.share)
+        log.append(("intra_share", start, time.perf_counter(), piece.numel() * piece.element_size()))
 
     def _second_channel(self) -> Channel:
         if self._channel2 is None:
