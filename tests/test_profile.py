@@ -55,7 +55,7 @@ def test_round_trip_through_json_file(tmp_path: Path) -> None:
     # an optional array left empty is not written (codecs' shapes and errors here)
     assert again.to_dict() == {**minimal(), "calibration": {"results": []}, "codecs": {}}
     assert again.fingerprint == profile.fingerprint
-    assert again.fit("p2p")["bandwidth_Bps"] == 1.2e8
+    assert again.fit("p2p").bandwidth_Bps == 1.2e8
     assert again.compute_floor_s() == pytest.approx(0.1)
 
 
@@ -66,8 +66,10 @@ def test_profile_is_read_only_and_independent_of_its_source_dict() -> None:
     assert len(profile.compute.step_s) == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         profile.compute.step_s = ()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.compute.params[0].name = "x"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        profile.compute.params[0]["name"] = "x"  # type: ignore[index]
+        profile.codecs.structure["x"] = profile.codecs.structure  # type: ignore[index]
 
 
 def _broken(path: list[Any], value: Any) -> dict[str, Any]:
@@ -96,6 +98,8 @@ def _broken(path: list[Any], value: Any) -> dict[str, Any]:
         (["compute", "step_s", 1], float("nan"), "compute.step_s[1]"),
         (["compute", "params", 1, "shape"], [10, -1], "compute.params[1].shape"),
         (["compute", "params", 0, "name"], KeyError, "compute.params[0].name: missing"),
+        (["compute", "params", 0, "dtype"], 32, "compute.params[0].dtype: expected a non-empty string"),
+        (["network", "fits", "allreduce", "fit_bytes"], [4096, -1], "network.fits.allreduce.fit_bytes[1]"),
         (["extra"], 1, "extra: unknown key"),
     ],
 )
@@ -204,7 +208,7 @@ def with_rows() -> dict[str, Any]:
 
 def test_cells_measured_on_rows_load_and_old_cells_read_as_full() -> None:
     profile = Profile.from_dict(with_rows())
-    assert [e.get("measured", "full") for e in profile.codecs.errors] == [
+    assert [e.measured or "full" for e in profile.codecs.errors] == [
         "live_rows", "sample", "full", "full", "full", "full"]
     assert Profile.from_dict(profile.to_dict()) == profile
 
@@ -254,6 +258,8 @@ def _codecs_broken(path: list[Any], value: Any) -> dict[str, Any]:
         (["structure", "nosuch.weight"], {"row_density_max": 0.5},
          "codecs.structure['nosuch.weight']: not a profiled parameter"),
         (["shapes", 1, "row_density"], 1.5, "codecs.shapes[1].row_density: expected a number"),
+        # a cell timed again in full keeps the sample it was first timed on
+        (["shapes", 1, "sample"], {"rows": 5}, "codecs.shapes[1].sample.param: missing"),
     ],
 )
 def test_malformed_row_cells_are_rejected_naming_the_field(path: list[Any], value: Any, field: str) -> None:
@@ -324,7 +330,7 @@ def test_each_section_is_typed_validated_and_round_trips() -> None:
     profile = Profile.from_dict(minimal())
     assert isinstance(profile.env, Env) and profile.env.world_size == 2 and profile.env.link == "1gbit"
     assert isinstance(profile.workload, Workload) and profile.workload.spec is None
-    assert isinstance(profile.network, Network) and profile.network.fits["allreduce"]["latency_s"] == 1e-4
+    assert isinstance(profile.network, Network) and profile.network.fits["allreduce"].latency_s == 1e-4
     assert isinstance(profile.compute, Compute) and profile.compute.param_names == ("fc.weight", "fc.bias")
     assert profile.compute.shapes == {"fc.weight": (10, 20), "fc.bias": (10,)}
     assert isinstance(profile.codecs, Codecs) and profile.codecs.structure == {}
@@ -339,6 +345,32 @@ def test_each_section_is_typed_validated_and_round_trips() -> None:
     assert env.to_dict() == data["env"]
 
 
+def test_records_inside_sections_are_typed_and_written_back_as_read() -> None:
+    from autotune.probes.profile import (
+        CalibrationRun, CodecError, NetworkFit, ProfiledParam, RowSample, RowStructure)
+
+    profile = Profile.from_dict(with_rows())
+    weight = profile.compute.params[0]
+    assert isinstance(weight, ProfiledParam) and (weight.name, weight.shape, weight.ready_s) == (
+        "fc.weight", (10, 20), 0.01)
+    assert weight.extra == {"numel": 200}  # descriptive: kept, read-only
+    assert isinstance(profile.fit("allreduce"), NetworkFit) and profile.fit("p2p").latency_s == 5e-5
+    sampled = profile.codecs.errors[1]
+    assert isinstance(sampled, CodecError) and isinstance(sampled.sample, RowSample)
+    assert (sampled.measured, sampled.sample.energy_ratio, sampled.sample.extra["live_rows"]) == (
+        "sample", 0.76, 83)
+    assert isinstance(profile.codecs.structure["emb.weight"], RowStructure)
+    assert profile.codecs.structure["emb.weight"].row_density_max == 0.0015
+    # a record is written back key for key, nulls and the file's order included
+    record = {"ready_order": 3, "name": "w", "ready_s": None, "shape": [2], "dtype": "float32"}
+    assert list(ProfiledParam.from_dict(record).to_dict().items()) == list(record.items())
+    assert list(Profile.from_dict(profile.to_dict()).to_dict()["codecs"]["errors"][1]) == list(
+        with_rows()["codecs"]["errors"][1])
+    # built in code: the fields set, and a plain-DDP run's null policy
+    assert CalibrationRun(step_s=0.2, source="verify").to_dict() == {
+        "policy": None, "step_s": 0.2, "source": "verify"}
+
+
 @pytest.mark.parametrize("build,field", [
     (lambda: __import__("autotune.probes.profile", fromlist=["Compute"]).Compute(
         step_s=(), forward_s=(0.1,), backward_s=(0.1,), optimizer_s=(0.1,),
@@ -350,6 +382,9 @@ def test_each_section_is_typed_validated_and_round_trips() -> None:
      "env.hosts: expected an integer in [1, 2]"),
     (lambda: __import__("autotune.probes.profile", fromlist=["Workload"]).Workload(
         name="x", spec=""), "workload.spec: expected a non-empty string"),
+    (lambda: __import__("autotune.probes.profile", fromlist=["Calibration"]).Calibration(
+        results=(__import__("autotune.probes.profile", fromlist=["CalibrationRun"]).CalibrationRun(
+            step_s=-1.0),)), "calibration.results[0].step_s: expected a number > 0"),
 ])
 def test_a_section_built_in_code_is_validated_like_one_read_from_a_file(build, field: str) -> None:
     with pytest.raises(ProfileError, match=re.escape(field)):
