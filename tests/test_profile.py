@@ -3,6 +3,7 @@ end to end on real ranks."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import json
@@ -10,7 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -391,26 +392,102 @@ def test_a_section_built_in_code_is_validated_like_one_read_from_a_file(build, f
         build()
 
 
+# the sections whose arrays and objects hold records (Entry)
+ENTRY_SECTIONS = {"network", "compute", "codecs", "calibration"}
+
+
+def _string_key_reads(tree: ast.AST) -> Iterator[tuple[ast.AST, ast.AST, Any]]:
+    """(node, what it reads, the key) of each ``x["key"]`` and ``x.get("key")``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            yield node, node.value, node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
+            yield node, node.func.value, node.args[0].value
+
+
+def _profile_reads(tree: ast.AST, fields: set[str]) -> list[int]:
+    """Lines of ``tree`` that read a field of a profile's record by string key
+    (``p["ready_s"]``, ``s.get("denser")``): on a record reached from a section
+    (``profile.compute.params[0]["name"]``) or from a name bound to one in the same
+    function (``for p in profile.compute.params``, ``fit = profile.fit("p2p")``,
+    ``modules = {m.name: m for m in c.modules}``, ...)."""
+
+    def records(expr: ast.AST, bound: set[str]) -> bool:
+        """Whether ``expr`` is a record of a profile or a collection of them."""
+        if isinstance(expr, ast.Name):
+            return expr.id in bound
+        if isinstance(expr, ast.Attribute):
+            return expr.attr in ENTRY_SECTIONS or records(expr.value, bound)
+        if isinstance(expr, (ast.Subscript, ast.Starred)):
+            return records(expr.value, bound)
+        if isinstance(expr, ast.Call):
+            f, args = expr.func, expr.args
+            if isinstance(f, ast.Attribute) and f.attr == "fit":  # Profile.fit
+                return isinstance(f.value, ast.Name) and "prof" in f.value.id
+            if isinstance(f, ast.Attribute) and f.attr in ("get", "items", "values"):
+                return records(f.value, bound)
+            return (isinstance(f, ast.Name) and f.id in ("iter", "list", "next", "sorted", "tuple")
+                    and bool(args) and records(args[0], bound))
+        if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+            return any(records(e, bound) for e in expr.elts)
+        if isinstance(expr, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            return records(expr.elt, bound)
+        if isinstance(expr, ast.DictComp):
+            return records(expr.value, bound)
+        if isinstance(expr, ast.IfExp):
+            return records(expr.body, bound) or records(expr.orelse, bound)
+        if isinstance(expr, ast.BoolOp):
+            return any(records(v, bound) for v in expr.values)
+        return False
+
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    top = [n for n in getattr(tree, "body", [])
+           if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    found = set()
+    for scope in [ast.Module(body=top, type_ignores=[]), *functions]:
+        bound: set[str] = set()
+        while True:  # names bound to records, and names bound from those, ...
+            before = len(bound)
+            for node in ast.walk(scope):
+                if isinstance(node, (ast.For, ast.comprehension)):
+                    pairs = [(node.target, node.iter)]
+                elif isinstance(node, ast.Assign):
+                    pairs = [(t, node.value) for t in node.targets]
+                elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                    pairs = [(node.target, node.value)]
+                else:
+                    continue
+                for target, value in pairs:
+                    if records(value, bound):
+                        bound |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+            if len(bound) == before:
+                break
+        found |= {node.lineno for node, target, key in _string_key_reads(scope)
+                  if key in fields and records(target, bound)}
+    return sorted(found)
+
+
 def test_consumers_read_profile_sections_as_attributes_not_string_keys() -> None:
     """JSON stays at the file edge: outside probes/profile.py nothing indexes a profile's
-    section with a string (``profile.compute["params"]``, ``profile.env.get("link")``)."""
-    import ast
+    section with a string (``profile.compute["params"]``, ``profile.env.get("link")``),
+    nor a record inside one (``p["ready_s"]`` of ``profile.compute.params``,
+    ``fit.get("busbw_Bps")``)."""
+    from autotune.probes.profile import Entry
 
+    fields = {f.name for kind in Entry.__subclasses__() for f in dataclasses.fields(kind)}
+    fields -= {"extra", "_keys"}
+    assert {"ready_s", "encode_decode_s", "latency_s", "row_density_max", "step_s"} <= fields
     sections = {"env", "workload", "network", "compute", "codecs", "calibration"}
-    package = Path(__file__).resolve().parent.parent / "autotune"
+    root = Path(__file__).resolve().parent.parent
     found = []
-    for path in package.rglob("*.py"):
+    for path in [*(root / "autotune").rglob("*.py"), *(root / "bench").rglob("*.py")]:
         if path.name == "profile.py" and path.parent.name == "probes":
             continue
         tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            target = None
-            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-                target = node.value
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
-                target = node.func.value
-            if (isinstance(target, ast.Attribute) and target.attr in sections
-                    and isinstance(target.value, ast.Name) and "prof" in target.value.id):
-                found.append(f"{path.relative_to(package)}:{node.lineno}")
-    assert not found, f"string-key reads of profile sections: {found}"
+        where = path.relative_to(root)
+        found += [f"{where}:{node.lineno} (section)" for node, target, _ in _string_key_reads(tree)
+                  if isinstance(target, ast.Attribute) and target.attr in sections
+                  and isinstance(target.value, ast.Name) and "prof" in target.value.id]
+        found += [f"{where}:{line} (entry)" for line in _profile_reads(tree, fields)]
+    assert not found, f"string-key reads of profile sections or their entries: {found}"
