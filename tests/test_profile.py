@@ -130,6 +130,14 @@ def test_show_prints_a_profile_and_rejects_a_broken_one(tmp_path: Path, capsys) 
     assert err.count("\n") == 1 and "compute.step_s" in err
 
 
+def test_show_lists_a_parameter_that_never_got_a_gradient(tmp_path: Path, capsys) -> None:
+    data = minimal()
+    data["compute"]["params"][0]["ready_s"] = None  # an unused layer: valid, and shown
+    Profile.from_dict(data).save(tmp_path / "p.json")
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    assert "fc.weight" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

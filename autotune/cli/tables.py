@@ -96,7 +96,8 @@ def _compute(console: Console, profile: Profile, top: int) -> None:
         module = modules.get(p.name.rsplit(".", 1)[0])
         back = module.backward_s if module is not None else None
         table.add_row(Text(p.name), "x".join(map(str, p.shape)),
-                      f"{math.prod(p.shape) * 4 / 1e6:.2f}", _ms(p.ready_s),
+                      f"{math.prod(p.shape) * 4 / 1e6:.2f}",
+                      _ms(p.ready_s) if p.ready_s is not None else "never",
                       _ms(back) if back is not None else "")
     console.print(table)
     slow = sorted(c.modules, key=lambda m: -(m.backward_s or 0.0))[:top]
