@@ -51,14 +51,13 @@ def _embedding_errors(profile: Any, policy: Any) -> dict[str, dict[str, Any]]:
     compressor the policy gives it and the probe's measured error of that compressor."""
     from autotune.search.space import ErrorModel, label_of
 
-    structure = profile.codecs.structure
     errors = ErrorModel(profile)
     out = {}
-    for name, s in structure.items():
-        if s.get("row_density_max") is None or s["row_density_max"] > 0.5:
+    for name, s in profile.codecs.structure.items():
+        if s.row_density_max > 0.5:
             continue
         label = label_of(policy.spec_for(name).to_dict())
-        out[name] = {"compressor": label, "row_density": s["row_density_max"],
+        out[name] = {"compressor": label, "row_density": s.row_density_max,
                      "cum_error": errors.layer_error(label, name)}
     return out
 

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -33,10 +32,10 @@ from autotune.emulate import EmulatedCluster, measure_tcp_rate
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
 from autotune.links import parse_link
-from autotune.probes.profile import load_profile
+from autotune.probes.profile import Compute, Profile, load_profile
 
 
-def _profile(args: list[str], out: Path) -> tuple[dict[str, Any], float]:
+def _profile(args: list[str], out: Path) -> tuple[Profile, float]:
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "autotune", "profile", "--workload", "cnn", "--out", str(out), *args],
@@ -45,15 +44,15 @@ def _profile(args: list[str], out: Path) -> tuple[dict[str, Any], float]:
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"autotune profile {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
-    return load_profile(out).to_dict(), wall
+    return load_profile(out), wall
 
 
-def _compute_check(compute: dict[str, Any]) -> dict[str, float]:
+def _compute_check(compute: Compute) -> dict[str, float]:
     """Per-layer backward times summed against the backward wall time of the same step on
     the same rank (median over steps and ranks), and what timing every layer costs."""
-    hooked = statistics.median(compute["hooked_backward_s"])
-    clean = statistics.median(compute["backward_s"])
-    cov = compute["backward_coverage"]
+    hooked = statistics.median(compute.hooked_backward_s or ())
+    clean = statistics.median(compute.backward_s)
+    cov = compute.extra["backward_coverage"]
     return {"backward_wall_s": hooked, "clean_backward_wall_s": clean,
             "hook_overhead": hooked / clean,
             "module_ratio": cov["modules"], "ready_ratio": cov["ready"]}
@@ -79,21 +78,22 @@ def main(argv: list[str] | None = None) -> int:
                 ["--hosts", "2", "--nproc-per-node", "1", "--link", rate,
                  "--budget-s", str(args.budget_s)], Path(tmp) / f"{rate}.json",
             )
-            fits = prof["network"]["fits"]
-            p2p = fits["p2p"]["inter"]["bandwidth_Bps"] * 8
-            allreduce = fits["allreduce"]["busbw_Bps"] * 8
+            fits = prof.network.fits
+            p2p = fits["p2p"]["inter"].bandwidth_Bps * 8
+            allreduce = fits["allreduce"].busbw_Bps * 8
             rows.append({
                 "rate": rate, "nominal_bps": link.rate_bps, "tcp_bps": tcp_bps, "tcp_runs_bps": tcp,
                 "p2p_bps": p2p, "p2p_vs_tcp": p2p / tcp_bps,
                 "allreduce_busbw_bps": allreduce, "allreduce_vs_tcp": allreduce / tcp_bps,
-                "fits": fits, "profile_wall_s": wall, **_compute_check(prof["compute"]),
+                "fits": prof.network.to_dict()["fits"], "profile_wall_s": wall,
+                **_compute_check(prof.compute),
             })
         console.print("cnn on 2 local ranks (loopback): profiling...")
         local, local_wall = _profile(["--nproc-per-node", "2", "--budget-s", str(args.budget_s)],
                                      Path(tmp) / "local.json")
     result = {
         "benchmark": "probe_accuracy", "workload": "cnn", "rates": rows,
-        "local": {"profile_wall_s": local_wall, "target_s": 90, **_compute_check(local["compute"])},
+        "local": {"profile_wall_s": local_wall, "target_s": 90, **_compute_check(local.compute)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps(result, indent=2), AutotuneError, "benchmark results")

@@ -141,7 +141,7 @@ def test_rowsparse_is_priced_at_each_tables_measured_density(tmp_path: Path, cap
     assert 0.003 < densities["0.weight"] < 0.006 and densities["1.weight"] == 1.0
     model = CostModel.fit(profile)
     comp = create("rowsparse")
-    shapes = {p["name"]: tuple(p["shape"]) for p in profile.compute.params}
+    shapes = profile.compute.shapes
     est = model.predict(Policy.uniform("rowsparse"))
     assert est.wire_bytes == sum(comp.wire_bytes(s, 2, densities[n]) for n, s in shapes.items())
     assert est.wire_bytes < 0.1 * model.predict(None).wire_bytes  # DDP sends the 6.4 MB table

@@ -3,6 +3,7 @@ end to end on real ranks."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import json
@@ -10,7 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_round_trip_through_json_file(tmp_path: Path) -> None:
     # an optional array left empty is not written (codecs' shapes and errors here)
     assert again.to_dict() == {**minimal(), "calibration": {"results": []}, "codecs": {}}
     assert again.fingerprint == profile.fingerprint
-    assert again.fit("p2p")["bandwidth_Bps"] == 1.2e8
+    assert again.fit("p2p").bandwidth_Bps == 1.2e8
     assert again.compute_floor_s() == pytest.approx(0.1)
 
 
@@ -66,8 +67,10 @@ def test_profile_is_read_only_and_independent_of_its_source_dict() -> None:
     assert len(profile.compute.step_s) == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         profile.compute.step_s = ()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.compute.params[0].name = "x"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        profile.compute.params[0]["name"] = "x"  # type: ignore[index]
+        profile.codecs.structure["x"] = profile.codecs.structure  # type: ignore[index]
 
 
 def _broken(path: list[Any], value: Any) -> dict[str, Any]:
@@ -96,6 +99,8 @@ def _broken(path: list[Any], value: Any) -> dict[str, Any]:
         (["compute", "step_s", 1], float("nan"), "compute.step_s[1]"),
         (["compute", "params", 1, "shape"], [10, -1], "compute.params[1].shape"),
         (["compute", "params", 0, "name"], KeyError, "compute.params[0].name: missing"),
+        (["compute", "params", 0, "dtype"], 32, "compute.params[0].dtype: expected a non-empty string"),
+        (["network", "fits", "allreduce", "fit_bytes"], [4096, -1], "network.fits.allreduce.fit_bytes[1]"),
         (["extra"], 1, "extra: unknown key"),
     ],
 )
@@ -123,6 +128,14 @@ def test_show_prints_a_profile_and_rejects_a_broken_one(tmp_path: Path, capsys) 
     assert main(["show", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "compute.step_s" in err
+
+
+def test_show_lists_a_parameter_that_never_got_a_gradient(tmp_path: Path, capsys) -> None:
+    data = minimal()
+    data["compute"]["params"][0]["ready_s"] = None  # an unused layer: valid, and shown
+    Profile.from_dict(data).save(tmp_path / "p.json")
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    assert "fc.weight" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -204,7 +217,7 @@ def with_rows() -> dict[str, Any]:
 
 def test_cells_measured_on_rows_load_and_old_cells_read_as_full() -> None:
     profile = Profile.from_dict(with_rows())
-    assert [e.get("measured", "full") for e in profile.codecs.errors] == [
+    assert [e.measured or "full" for e in profile.codecs.errors] == [
         "live_rows", "sample", "full", "full", "full", "full"]
     assert Profile.from_dict(profile.to_dict()) == profile
 
@@ -254,6 +267,8 @@ def _codecs_broken(path: list[Any], value: Any) -> dict[str, Any]:
         (["structure", "nosuch.weight"], {"row_density_max": 0.5},
          "codecs.structure['nosuch.weight']: not a profiled parameter"),
         (["shapes", 1, "row_density"], 1.5, "codecs.shapes[1].row_density: expected a number"),
+        # a cell timed again in full keeps the sample it was first timed on
+        (["shapes", 1, "sample"], {"rows": 5}, "codecs.shapes[1].sample.param: missing"),
     ],
 )
 def test_malformed_row_cells_are_rejected_naming_the_field(path: list[Any], value: Any, field: str) -> None:
@@ -324,7 +339,7 @@ def test_each_section_is_typed_validated_and_round_trips() -> None:
     profile = Profile.from_dict(minimal())
     assert isinstance(profile.env, Env) and profile.env.world_size == 2 and profile.env.link == "1gbit"
     assert isinstance(profile.workload, Workload) and profile.workload.spec is None
-    assert isinstance(profile.network, Network) and profile.network.fits["allreduce"]["latency_s"] == 1e-4
+    assert isinstance(profile.network, Network) and profile.network.fits["allreduce"].latency_s == 1e-4
     assert isinstance(profile.compute, Compute) and profile.compute.param_names == ("fc.weight", "fc.bias")
     assert profile.compute.shapes == {"fc.weight": (10, 20), "fc.bias": (10,)}
     assert isinstance(profile.codecs, Codecs) and profile.codecs.structure == {}
@@ -339,6 +354,32 @@ def test_each_section_is_typed_validated_and_round_trips() -> None:
     assert env.to_dict() == data["env"]
 
 
+def test_records_inside_sections_are_typed_and_written_back_as_read() -> None:
+    from autotune.probes.profile import (
+        CalibrationRun, CodecError, NetworkFit, ProfiledParam, RowSample, RowStructure)
+
+    profile = Profile.from_dict(with_rows())
+    weight = profile.compute.params[0]
+    assert isinstance(weight, ProfiledParam) and (weight.name, weight.shape, weight.ready_s) == (
+        "fc.weight", (10, 20), 0.01)
+    assert weight.extra == {"numel": 200}  # descriptive: kept, read-only
+    assert isinstance(profile.fit("allreduce"), NetworkFit) and profile.fit("p2p").latency_s == 5e-5
+    sampled = profile.codecs.errors[1]
+    assert isinstance(sampled, CodecError) and isinstance(sampled.sample, RowSample)
+    assert (sampled.measured, sampled.sample.energy_ratio, sampled.sample.extra["live_rows"]) == (
+        "sample", 0.76, 83)
+    assert isinstance(profile.codecs.structure["emb.weight"], RowStructure)
+    assert profile.codecs.structure["emb.weight"].row_density_max == 0.0015
+    # a record is written back key for key, nulls and the file's order included
+    record = {"ready_order": 3, "name": "w", "ready_s": None, "shape": [2], "dtype": "float32"}
+    assert list(ProfiledParam.from_dict(record).to_dict().items()) == list(record.items())
+    assert list(Profile.from_dict(profile.to_dict()).to_dict()["codecs"]["errors"][1]) == list(
+        with_rows()["codecs"]["errors"][1])
+    # built in code: the fields set, and a plain-DDP run's null policy
+    assert CalibrationRun(step_s=0.2, source="verify").to_dict() == {
+        "policy": None, "step_s": 0.2, "source": "verify"}
+
+
 @pytest.mark.parametrize("build,field", [
     (lambda: __import__("autotune.probes.profile", fromlist=["Compute"]).Compute(
         step_s=(), forward_s=(0.1,), backward_s=(0.1,), optimizer_s=(0.1,),
@@ -350,32 +391,111 @@ def test_each_section_is_typed_validated_and_round_trips() -> None:
      "env.hosts: expected an integer in [1, 2]"),
     (lambda: __import__("autotune.probes.profile", fromlist=["Workload"]).Workload(
         name="x", spec=""), "workload.spec: expected a non-empty string"),
+    (lambda: __import__("autotune.probes.profile", fromlist=["Calibration"]).Calibration(
+        results=(__import__("autotune.probes.profile", fromlist=["CalibrationRun"]).CalibrationRun(
+            step_s=-1.0),)), "calibration.results[0].step_s: expected a number > 0"),
 ])
 def test_a_section_built_in_code_is_validated_like_one_read_from_a_file(build, field: str) -> None:
     with pytest.raises(ProfileError, match=re.escape(field)):
         build()
 
 
+# the sections whose arrays and objects hold records (Entry)
+ENTRY_SECTIONS = {"network", "compute", "codecs", "calibration"}
+
+
+def _string_key_reads(tree: ast.AST) -> Iterator[tuple[ast.AST, ast.AST, Any]]:
+    """(node, what it reads, the key) of each ``x["key"]`` and ``x.get("key")``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            yield node, node.value, node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
+            yield node, node.func.value, node.args[0].value
+
+
+def _profile_reads(tree: ast.AST, fields: set[str]) -> list[int]:
+    """Lines of ``tree`` that read a field of a profile's record by string key
+    (``p["ready_s"]``, ``s.get("denser")``): on a record reached from a section
+    (``profile.compute.params[0]["name"]``) or from a name bound to one in the same
+    function (``for p in profile.compute.params``, ``fit = profile.fit("p2p")``,
+    ``modules = {m.name: m for m in c.modules}``, ...)."""
+
+    def records(expr: ast.AST, bound: set[str]) -> bool:
+        """Whether ``expr`` is a record of a profile or a collection of them."""
+        if isinstance(expr, ast.Name):
+            return expr.id in bound
+        if isinstance(expr, ast.Attribute):
+            return expr.attr in ENTRY_SECTIONS or records(expr.value, bound)
+        if isinstance(expr, (ast.Subscript, ast.Starred)):
+            return records(expr.value, bound)
+        if isinstance(expr, ast.Call):
+            f, args = expr.func, expr.args
+            if isinstance(f, ast.Attribute) and f.attr == "fit":  # Profile.fit
+                return isinstance(f.value, ast.Name) and "prof" in f.value.id
+            if isinstance(f, ast.Attribute) and f.attr in ("get", "items", "values"):
+                return records(f.value, bound)
+            return (isinstance(f, ast.Name) and f.id in ("iter", "list", "next", "sorted", "tuple")
+                    and bool(args) and records(args[0], bound))
+        if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+            return any(records(e, bound) for e in expr.elts)
+        if isinstance(expr, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            return records(expr.elt, bound)
+        if isinstance(expr, ast.DictComp):
+            return records(expr.value, bound)
+        if isinstance(expr, ast.IfExp):
+            return records(expr.body, bound) or records(expr.orelse, bound)
+        if isinstance(expr, ast.BoolOp):
+            return any(records(v, bound) for v in expr.values)
+        return False
+
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    top = [n for n in getattr(tree, "body", [])
+           if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    found = set()
+    for scope in [ast.Module(body=top, type_ignores=[]), *functions]:
+        bound: set[str] = set()
+        while True:  # names bound to records, and names bound from those, ...
+            before = len(bound)
+            for node in ast.walk(scope):
+                if isinstance(node, (ast.For, ast.comprehension)):
+                    pairs = [(node.target, node.iter)]
+                elif isinstance(node, ast.Assign):
+                    pairs = [(t, node.value) for t in node.targets]
+                elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                    pairs = [(node.target, node.value)]
+                else:
+                    continue
+                for target, value in pairs:
+                    if records(value, bound):
+                        bound |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+            if len(bound) == before:
+                break
+        found |= {node.lineno for node, target, key in _string_key_reads(scope)
+                  if key in fields and records(target, bound)}
+    return sorted(found)
+
+
 def test_consumers_read_profile_sections_as_attributes_not_string_keys() -> None:
     """JSON stays at the file edge: outside probes/profile.py nothing indexes a profile's
-    section with a string (``profile.compute["params"]``, ``profile.env.get("link")``)."""
-    import ast
+    section with a string (``profile.compute["params"]``, ``profile.env.get("link")``),
+    nor a record inside one (``p["ready_s"]`` of ``profile.compute.params``,
+    ``fit.get("busbw_Bps")``)."""
+    from autotune.probes.profile import Entry
 
+    fields = {f.name for kind in Entry.__subclasses__() for f in dataclasses.fields(kind)}
+    fields -= {"extra", "_keys"}
+    assert {"ready_s", "encode_decode_s", "latency_s", "row_density_max", "step_s"} <= fields
     sections = {"env", "workload", "network", "compute", "codecs", "calibration"}
-    package = Path(__file__).resolve().parent.parent / "autotune"
+    root = Path(__file__).resolve().parent.parent
     found = []
-    for path in package.rglob("*.py"):
+    for path in [*(root / "autotune").rglob("*.py"), *(root / "bench").rglob("*.py")]:
         if path.name == "profile.py" and path.parent.name == "probes":
             continue
         tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            target = None
-            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-                target = node.value
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
-                target = node.func.value
-            if (isinstance(target, ast.Attribute) and target.attr in sections
-                    and isinstance(target.value, ast.Name) and "prof" in target.value.id):
-                found.append(f"{path.relative_to(package)}:{node.lineno}")
-    assert not found, f"string-key reads of profile sections: {found}"
+        where = path.relative_to(root)
+        found += [f"{where}:{node.lineno} (section)" for node, target, _ in _string_key_reads(tree)
+                  if isinstance(target, ast.Attribute) and target.attr in sections
+                  and isinstance(target.value, ast.Name) and "prof" in target.value.id]
+        found += [f"{where}:{line} (entry)" for line in _profile_reads(tree, fields)]
+    assert not found, f"string-key reads of profile sections or their entries: {found}"

@@ -132,8 +132,8 @@ def test_a_full_report_shows_every_section(full_report: Path, job: dict[str, Pat
     # every parameter of the profile has a row, with the policy's compressor
     policy = load_policy(job["policy"])
     for p in load_profile(job["profile"]).compute.params:
-        label = policy.spec_for(p["name"]).canonical().label()
-        assert f'<td class="l">{p["name"]}</td>' in text
+        label = policy.spec_for(p.name).canonical().label()
+        assert f'<td class="l">{p.name}</td>' in text
         assert f'<td>{label}</td>' in text
 
 

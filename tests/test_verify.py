@@ -79,7 +79,7 @@ def test_tune_verifies_by_default_and_show_prints_what_was_measured(
     # what was measured of our policies now calibrates the cost model
     from autotune.probes.profile import load_profile
 
-    learned = [r for r in load_profile(mlp_profile).calibration.results if r.get("source") == "verify"]
+    learned = [r for r in load_profile(mlp_profile).calibration.results if r.source == "verify"]
     ours = [r for r in report.values() if r["kind"] in ("baseline", "candidate")]
     assert len(learned) == len({r["policy_id"] for r in ours})
     assert "policy" not in winner  # the meta stays light: policies live in the profile

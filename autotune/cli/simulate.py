@@ -120,8 +120,7 @@ def _profile(args: argparse.Namespace) -> list[dict[str, Any]]:
     configs: list[tuple[str, Policy | None]] = []
     if args.policy is not None:
         policy = load_policy(args.policy)
-        work = [(p["name"], p["shape"]) for p in profile.compute.params]
-        unknown = sorted(set(policy.layers) - {n for n, _ in work})
+        unknown = sorted(set(policy.layers) - set(profile.compute.param_names))
         if unknown:
             raise ProfileError(f"{args.policy}: names parameters the profiled model lacks: "
                                f"{', '.join(unknown[:5])}")

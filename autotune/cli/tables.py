@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Mapping
 
@@ -10,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune.compressors import CompressorSpec
-from autotune.probes.profile import ROW_SPARSE_BELOW, Profile
+from autotune.probes.profile import ROW_SPARSE_BELOW, NetworkFit, Profile
 
 __all__ = ["codec_coverage", "print_profile"]
 
@@ -42,7 +43,7 @@ def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
     _structure(console, profile, top)
     cal = profile.calibration.results
     if cal:
-        steps = sorted(r["step_s"] for r in cal)
+        steps = sorted(r.step_s for r in cal)
         console.print(f"calibration: {len(cal)} policies measured on the live job "
                       f"({steps[0] * 1e3:.0f}-{steps[-1] * 1e3:.0f} ms per step); they fit the "
                       "cost model's residual")
@@ -59,15 +60,15 @@ def _network(console: Console, profile: Profile) -> None:
         table.add_column(col, justify="left" if col in ("collective", "link class") else "right")
     largest: dict[str, int] = {}
     for s in profile.network.samples:
-        key = s["collective"] if s["collective"] != "p2p" else f"p2p:{s.get('link_class')}"
-        largest[key] = max(largest.get(key, 0), s["bytes"])
+        key = s.collective if s.collective != "p2p" else f"p2p:{s.link_class}"
+        largest[key] = max(largest.get(key, 0), s.bytes)
 
-    def row(name: str, cls: str, f: Mapping[str, Any], key: str) -> None:
-        fitted = f.get("fit_bytes") or []
+    def row(name: str, cls: str, f: NetworkFit, key: str) -> None:
+        fitted = f.fit_bytes
         span = f"{fitted[0] / 2**20:g}-{fitted[-1] / 2**20:g} MiB" if fitted else ""
-        table.add_row(name, cls, f"{f['latency_s'] * 1e6:,.0f}", _mbit(f["bandwidth_Bps"]),
-                      _mbit(f.get("busbw_Bps", f["bandwidth_Bps"])), span,
-                      f"{largest.get(key, 0) / 2**20:g} MiB")
+        busbw = f.busbw_Bps if f.busbw_Bps is not None else f.bandwidth_Bps
+        table.add_row(name, cls, f"{f.latency_s * 1e6:,.0f}", _mbit(f.bandwidth_Bps),
+                      _mbit(busbw), span, f"{largest.get(key, 0) / 2**20:g} MiB")
 
     for name, f in fits.items():
         if name == "p2p":
@@ -86,25 +87,26 @@ def _compute(console: Console, profile: Profile, top: int) -> None:
             f"{k.removesuffix('_s')} {_ms(v)} ms" for k, v in med.items()
         ) + "  [dim](step = the compute-only floor, ranks side by side)[/dim]"
     )
-    params = sorted(c.params, key=lambda p: -_numel(p))[:top]
-    modules = {m["name"]: m for m in c.modules}
+    params = sorted(c.params, key=lambda p: -math.prod(p.shape))[:top]
+    modules = {m.name: m for m in c.modules}
     table = Table(title=f"the {len(params)} layers with the most gradient bytes", title_justify="left")
     for col in ("parameter", "shape", "grad MB", "ready at ms", "layer backward ms"):
         table.add_column(col, justify="left" if col == "parameter" else "right")
     for p in params:
-        module = modules.get(p["name"].rsplit(".", 1)[0], {})
-        back = module.get("backward_s")
-        table.add_row(Text(p["name"]), "x".join(map(str, p["shape"])), f"{_numel(p) * 4 / 1e6:.2f}",
-                      _ms(p["ready_s"]), _ms(back) if back is not None else "")
+        module = modules.get(p.name.rsplit(".", 1)[0])
+        back = module.backward_s if module is not None else None
+        table.add_row(Text(p.name), "x".join(map(str, p.shape)),
+                      f"{math.prod(p.shape) * 4 / 1e6:.2f}",
+                      _ms(p.ready_s) if p.ready_s is not None else "never",
+                      _ms(back) if back is not None else "")
     console.print(table)
-    slow = sorted(c.modules, key=lambda m: -(m.get("backward_s") or 0.0))[:top]
+    slow = sorted(c.modules, key=lambda m: -(m.backward_s or 0.0))[:top]
     if slow:
         t2 = Table(title=f"the {len(slow)} layers with the most backward time", title_justify="left")
         for col in ("module", "type", "forward ms", "backward ms"):
             t2.add_column(col, justify="left" if col in ("module", "type") else "right")
         for m in slow:
-            t2.add_row(Text(m["name"]), m.get("type", ""), _ms(m.get("forward_s") or 0.0),
-                       _ms(m.get("backward_s") or 0.0))
+            t2.add_row(Text(m.name), m.type or "", _ms(m.forward_s or 0.0), _ms(m.backward_s or 0.0))
         console.print(t2)
 
 
@@ -116,24 +118,23 @@ def _codecs(console: Console, profile: Profile) -> None:
     params = profile.compute.params
     count: dict[tuple[int, ...], int] = {}
     for p in params:
-        key = tuple(p["shape"])
-        count[key] = count.get(key, 0) + 1
+        count[p.shape] = count.get(p.shape, 0) + 1
     per_spec: dict[str, dict[str, float]] = {}
     for s in shapes:
-        label = _spec_label(s["spec"])
-        n = count.get(tuple(s["shape"]), 0)
+        label = _spec_label(s.spec)
+        n = count.get(s.shape, 0)
         agg = per_spec.setdefault(
             label, {"time": 0.0, "bytes": 0.0, "err_num": 0.0, "cum_num": 0.0, "err_den": 0.0}
         )
-        agg["time"] += s["encode_decode_s"] * n
-        agg["bytes"] += s["wire_bytes"] * n
-    numel = {p["name"]: _numel(p) for p in params}
+        agg["time"] += s.encode_decode_s * n
+        agg["bytes"] += s.wire_bytes * n
+    numel = {p.name: math.prod(p.shape) for p in params}
     for e in codecs.errors:
-        label = _spec_label(e["spec"])
+        label = _spec_label(e.spec)
         if label in per_spec:
-            w = numel.get(e["param"], 1)
-            per_spec[label]["err_num"] += e["rel_error"] * w
-            per_spec[label]["cum_num"] += e.get("cum_error", e["rel_error"]) * w
+            w = numel.get(e.param, 1)
+            per_spec[label]["err_num"] += e.rel_error * w
+            per_spec[label]["cum_num"] += (e.rel_error if e.cum_error is None else e.cum_error) * w
             per_spec[label]["err_den"] += w
     full = sum(numel.values()) * 4
     table = Table(title="codecs over the whole model (per step and rank)", title_justify="left")
@@ -178,25 +179,24 @@ def _structure(console: Console, profile: Profile, top: int) -> None:
     if not structure:
         return
     shapes = profile.compute.shapes
-    sparse = sorted((name for name, s in structure.items()
-                     if s["row_density_max"] < ROW_SPARSE_BELOW),
-                    key=lambda n: -_numel({"shape": shapes.get(n, [])}))
+    sparse = sorted((name for name, s in structure.items() if s.row_density_max < ROW_SPARSE_BELOW),
+                    key=lambda n: -math.prod(shapes.get(n, ())))
     if not sparse:
         console.print(f"gradient rows: all {len(structure)} gradients measured are dense (the "
                       f"busiest rank's has non-zero values in >= {_percent(ROW_SPARSE_BELOW)} "
                       "of its rows)")
         return
     first = structure[sparse[0]]
-    over = f"{first.get('steps', '?')} steps x {first.get('ranks', '?')} rank(s)"
+    over = f"{first.steps or '?'} steps x {first.ranks or '?'} rank(s)"
     table = Table(title="row-sparse gradients", title_justify="left")
     for col in ("parameter", "shape", "mean", "busiest", "spread"):
         table.add_column(col, justify="left" if col == "parameter" else "right")
     for name in sparse[:top]:
         s = structure[name]
-        mean, std = s.get("row_density_mean"), s.get("row_density_std")
+        mean, std = s.row_density_mean, s.row_density_std
         table.add_row(Text(name), "x".join(map(str, shapes.get(name, []))),
                       _percent(mean) if mean is not None else "",
-                      _percent(s["row_density_max"]),
+                      _percent(s.row_density_max),
                       _percent(std) if std is not None else "")
     console.print(table)
     rest = len(sparse) - top
@@ -223,28 +223,21 @@ def codec_coverage(profile: Profile) -> dict[str, Any]:
     times = codecs.shapes
     params = profile.compute.param_names
     labels = {_spec_label(s) for s in (*codecs.grid, *codecs.skipped)}
-    have = {(_spec_label(e["spec"]), e["param"]) for e in errors}
+    have = {(_spec_label(e.spec), e.param) for e in errors}
     missing = sum(1 for label in labels for name in params if (label, name) not in have)
-    on_rows = [e for e in errors if e.get("measured", "full") != "full"]
-    sampled = [e for e in on_rows if e.get("measured") == "sample"]
+    on_rows = [e for e in errors if e.measured not in (None, "full")]
+    sampled = [e for e in on_rows if e.measured == "sample"]
     return {
         "errors": len(errors),
         "missing": missing,
         "extrapolated_errors": len(sampled),
         "live_rows": len(on_rows) - len(sampled),
         "times": len(times),
-        "scaled_times": sum(1 for s in times if s.get("measured") == "sample"),
-        "sampled_params": len({e["param"] for e in on_rows}),
-        "energy_ratios": sorted({float(e["sample"]["energy_ratio"]) for e in sampled
-                                 if e.get("sample", {}).get("energy_ratio") is not None}),
+        "scaled_times": sum(1 for s in times if s.measured == "sample"),
+        "sampled_params": len({e.param for e in on_rows}),
+        "energy_ratios": sorted({float(e.sample.energy_ratio) for e in sampled
+                                 if e.sample is not None and e.sample.energy_ratio is not None}),
     }
-
-
-def _numel(p: Mapping[str, Any]) -> int:
-    n = 1
-    for d in p["shape"]:
-        n *= int(d)
-    return n
 
 
 def print_verification(out: Any, meta: Mapping[str, Any]) -> None:

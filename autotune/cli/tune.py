@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +152,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _learn(out: Any, path: Path, profile: Any, report: dict[str, Any]) -> None:
+def _learn(out: Any, path: Path, profile: Profile, report: dict[str, Any]) -> None:
     """Add what verification measured of our own policies to the profile's calibration,
     which the cost model's residual is fitted on: every verification teaches the next
     tune. The profile is rewritten atomically."""
-    data = profile.to_dict()
-    data["calibration"] = learned(dict(data.get("calibration") or {"results": []}), report)
-    Profile.from_dict(data, source=str(path)).save(path)
+    replace(profile, calibration=learned(profile.calibration, report)).save(path)
     accuracy = report.get("_summary", {}).get("model_accuracy") or {}
     line = f"added the verification's measurements to {path}'s calibration (the next tune fits on them)"
     if accuracy:

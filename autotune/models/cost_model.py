@@ -41,7 +41,7 @@ from autotune.models.simulator import (
     simulate,
 )
 from autotune.policies import Policy
-from autotune.probes.profile import Profile
+from autotune.probes.profile import CalibrationRun, Profile
 
 __all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "calibration_pairs", "codec_features"]
 
@@ -68,11 +68,11 @@ def codec_features(spec: CompressorSpec, shape: tuple[int, ...],
     return [float(numel), float(rows), float(cols), param]
 
 
-def calibration_pairs(results: Sequence[Mapping[str, Any]]) -> list[tuple[Policy | None, float]]:
-    """A profile's calibration results (``{"policy": dict or None, "step_s"}``) as the
-    (policy, median step seconds) pairs :meth:`CostModel.fit_residual` learns from."""
-    return [(None if r.get("policy") is None else Policy.from_dict(r["policy"], source="calibration"),
-             float(r["step_s"])) for r in results]
+def calibration_pairs(results: Sequence[CalibrationRun]) -> list[tuple[Policy | None, float]]:
+    """A profile's calibration results as the (policy, median step seconds) pairs
+    :meth:`CostModel.fit_residual` learns from."""
+    return [(None if r.policy is None else Policy.from_dict(r.policy, source="calibration"),
+             float(r.step_s)) for r in results]
 
 
 def _link_bps(profile: Profile) -> float | None:
@@ -82,24 +82,22 @@ def _link_bps(profile: Profile) -> float | None:
     if link:
         return parse_link(str(link)).rate_bps
     fit = profile.network.fits.get("allreduce")
-    return float(fit["busbw_Bps"]) * 8 if fit and "busbw_Bps" in fit else None
+    return float(fit.busbw_Bps) * 8 if fit and fit.busbw_Bps is not None else None
 
 
 def _intra_fit(profile: Profile) -> tuple[float, float] | None:
     """(latency s, bandwidth B/s) of the intra-host p2p fit, if the probe measured one."""
     fit = profile.network.fits.get("p2p", {}).get("intra")
-    if not fit or not fit.get("bandwidth_Bps"):
+    if not fit or not fit.bandwidth_Bps:
         return None
-    return float(fit["latency_s"]), float(fit["bandwidth_Bps"])
+    return float(fit.latency_s), float(fit.bandwidth_Bps)
 
 
 def row_densities(profile: Profile) -> dict[str, float]:
     """Per parameter, the fraction of rows holding a non-zero gradient on the busiest
     rank, from the codec probe's gradient-structure measurements (``codecs.structure``;
     empty for profiles that have none)."""
-    structure = profile.codecs.structure
-    return {name: float(s["row_density_max"]) for name, s in structure.items()
-            if isinstance(s, Mapping) and s.get("row_density_max") is not None}
+    return {name: float(s.row_density_max) for name, s in profile.codecs.structure.items()}
 
 
 def compute_times(profile: Profile) -> ComputeTimes:
@@ -111,9 +109,9 @@ def compute_times(profile: Profile) -> ComputeTimes:
     scale = backward / hooked if hooked > 0 else 1.0
     densities = row_densities(profile)
     params = tuple(
-        ParamTiming(p["name"], tuple(int(d) for d in p["shape"]),
-                    (p["ready_s"] if p["ready_s"] is not None else backward / scale) * scale,
-                    density=densities.get(p["name"]))
+        ParamTiming(p.name, p.shape,
+                    (p.ready_s if p.ready_s is not None else backward / scale) * scale,
+                    density=densities.get(p.name))
         for p in c.params
     )
     return ComputeTimes(
@@ -151,8 +149,8 @@ class CostModel:
         comm: dict[str, CollectiveTimeRegressor] = {}
         cv: dict[str, float] = {}
         for name in _RUNTIME_COLLECTIVES:
-            rows = [(s["bytes"], profile.world_size, t) for s in profile.network.samples
-                    if s["collective"] == name for t in s["times_s"]]
+            rows = [(s.bytes, profile.world_size, t) for s in profile.network.samples
+                    if s.collective == name for t in s.times_s]
             if not rows:
                 continue
             X = np.array([[b, w] for b, w, _ in rows], dtype=float)
@@ -163,13 +161,15 @@ class CostModel:
         codec: dict[str, CodecTimeRegressor] = {}
         by_name: dict[str, list[tuple[list[float], float]]] = {}
         for s in profile.codecs.shapes:
-            spec = CompressorSpec.from_dict(s["spec"])
+            spec = CompressorSpec.from_dict(s.spec)
             # data-dependent methods were timed at the density of the tensor timed, and
             # sparse tensors again with more rows filled
-            points = [s, *([s["denser"]] if s.get("denser") else [])]
+            points = [(s.row_density, s.encode_decode_s)]
+            if s.denser is not None:
+                points.append((s.denser.row_density, s.denser.encode_decode_s))
             by_name.setdefault(spec.name, []).extend(
-                (codec_features(spec, tuple(s["shape"]), p.get("row_density")),
-                 float(p["encode_decode_s"])) for p in points
+                (codec_features(spec, s.shape, density), float(seconds))
+                for density, seconds in points
             )
         for name, rows_ in by_name.items():
             X = np.array([r for r, _ in rows_], dtype=float)

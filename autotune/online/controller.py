@@ -69,7 +69,7 @@ from autotune.online.search import contender_from_dict, trial_contenders
 from autotune.online.worker import SearchWorker
 from autotune.policies import Policy
 from autotune.probes.network import probe_network
-from autotune.probes.profile import Calibration, Profile
+from autotune.probes.profile import CalibrationRun, Profile
 from autotune.search.defaults import DEFAULT_MAX_ERROR
 from autotune.search.tuner import tune
 
@@ -739,9 +739,10 @@ class Controller:
         for name, median in decision.medians.items():
             policy = exploration.contenders[name].policy
             plain = {k: v for k, v in policy.to_dict().items() if k != "meta"}
-            results.append({"policy": None if policy.id == Policy().id else plain, "step_s": median})
-        self.profile = replace(self.profile, calibration=Calibration(
-            results=tuple(results), origin=self.profile.source))
+            results.append(CalibrationRun(policy=None if policy.id == Policy().id else plain,
+                                          step_s=median))
+        self.profile = replace(self.profile, calibration=replace(
+            self.profile.calibration, results=tuple(results)))
         if self._model is None or len(results) < 3:
             return
         # only the residual learns from the trials: refitting every component here,

@@ -13,9 +13,11 @@ raw sample and fit of the network, compute and codec probes::
 
 In code each section is a typed, frozen :class:`Section` (:class:`Env`,
 :class:`Workload`, :class:`Network`, :class:`Compute`, :class:`Codecs`,
-:class:`Calibration`): consumers read attributes, JSON stays at the file edge. A profile
-can be taken on one machine and tuned on another. Like a policy it is validated at
-construction (messages name the field) and saved atomically.
+:class:`Calibration`), and so is each record inside one, an :class:`Entry` (a
+parameter's timing, a network sample or fit, a codec cell, a calibration run):
+consumers read attributes, JSON stays at the file edge. A profile can be taken on one
+machine and tuned on another. Like a policy it is validated at construction (messages
+name the field) and saved atomically.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import math
 import os
 import reprlib
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Mapping, NoReturn
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping, NoReturn, TypeVar
 
 from autotune.compressors.registry import CompressorSpec
 from autotune.errors import AutotuneError, ProfileError
@@ -34,8 +37,10 @@ from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_ato
 from autotune.links import parse_link
 from autotune.policies import Policy
 
-__all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Calibration", "Codecs", "Compute", "Env", "Network",
-           "Profile", "Section", "Workload", "load_profile"]
+__all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Calibration", "CalibrationRun", "CodecCost",
+           "CodecError", "Codecs", "Compute", "DensityTiming", "Entry", "Env", "ModuleTiming",
+           "Network", "NetworkFit", "NetworkSample", "Profile", "ProfiledParam", "RowSample",
+           "RowStructure", "Section", "Workload", "load_profile"]
 
 PROFILE_VERSION = 1
 # A parameter whose busiest rank leaves more than half of its gradient's rows zero is
@@ -44,6 +49,204 @@ PROFILE_VERSION = 1
 # showing a profile needs no torch.
 ROW_SPARSE_BELOW = 0.5
 _META = ("extra", "origin")  # a section's fields that are not JSON keys of their own
+_ENTRY_META = ("extra", "_keys")  # and a record's
+_E = TypeVar("_E", bound="Entry")
+# field name -> how the field's validated JSON becomes the records it holds (a field not
+# named holds read-only JSON)
+_Builders = Mapping[str, Callable[[Any], Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One record inside a section (a parameter's timing, a network fit, a codec cell):
+    typed attributes for what autotune reads; the record's other (descriptive) keys are
+    kept, read-only, in ``extra``.
+
+    Its section validates the record and builds it (:meth:`from_dict`), so that messages
+    name its place (``compute.params[3].shape``); ``to_dict`` writes back what
+    ``from_dict`` read, key for key and in the same order. A record built in code is
+    validated when its section is built (which builds it again from its JSON).
+    """
+
+    ENTRIES: ClassVar[_Builders] = {}  # fields that hold records of their own
+    ALWAYS: ClassVar[frozenset[str]] = frozenset()  # written even when None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    # the keys as read, in order: to_dict writes back the same keys, nulls included, in
+    # the file's order (a record built in code: the fields set and ALWAYS, then extra)
+    _keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra", freeze(self.extra))
+
+    @classmethod
+    def from_dict(cls: type[_E], data: Mapping[str, Any]) -> _E:
+        """The record from JSON its section has validated."""
+        names = _entry_fields(cls)
+        return cls(**{k: _typed(cls.ENTRIES, k, v) for k, v in data.items() if k in names},
+                   extra={k: v for k, v in data.items() if k not in names}, _keys=tuple(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = self._keys or (*(name for name in _entry_fields(type(self))
+                                if getattr(self, name) is not None or name in self.ALWAYS),
+                              *self.extra)
+        return {k: thaw(self.extra[k]) if k in self.extra else _to_json(getattr(self, k))
+                for k in keys}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfiledParam(Entry):
+    """A parameter in ``compute.params`` (``extra``: numel, ready_order)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ready_s: float | None = None  # its gradient ready in backward (None: it never got one)
+    dtype: str | None = None  # "float32", ...; None (profiles before dtypes): float32
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleTiming(Entry):
+    """A leaf module in ``compute.modules``: its forward and backward seconds, if timed."""
+
+    name: str
+    forward_s: float | None = None
+    backward_s: float | None = None
+    type: str | None = None  # its class, e.g. "Conv2d"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSample(Entry):
+    """One message size of one collective in ``network.samples`` (``extra``: median_s,
+    the algorithm and bus bandwidths, the rank pair of a p2p sample)."""
+
+    collective: str
+    bytes: int
+    times_s: tuple[float, ...]
+    link_class: str | None = None  # p2p: "intra" or "inter" host
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkFit(Entry):
+    """``t = latency_s + bytes / bandwidth_Bps`` of a collective (or of p2p on a link
+    class) in ``network.fits`` (``extra``: algbw_Bps, large_intercept_s, sizes)."""
+
+    latency_s: float
+    bandwidth_Bps: float  # per-rank payload bytes per second
+    busbw_Bps: float | None = None  # what the link carried (nccl-tests' bus bandwidth)
+    fit_bytes: tuple[int, ...] | None = None  # the message sizes the bandwidth was fitted on
+
+
+@dataclass(frozen=True, kw_only=True)
+class DensityTiming(Entry):
+    """A codec cell timed again with more of its tensor's rows filled (``denser``)."""
+
+    row_density: float
+    encode_decode_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowSample(Entry):
+    """The rows a codec cell was measured on (its ``sample``; ``extra``: live_rows,
+    of_live_rows)."""
+
+    rows: int
+    numel: int
+    of_rows: int | None = None  # the tensor's rows (error cells)
+    param: str | None = None  # the parameter whose rows were timed (time cells)
+    encode_decode_s: float | None = None  # the sample's own time, before scaling (time cells)
+    # the sample's share of the gradient's energy over its share of rows (row samples of
+    # error cells): near 1 when the sample is as heavy as the tensor
+    energy_ratio: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecCost(Entry):
+    """A compressor's time and wire size on one tensor shape, in ``codecs.shapes``
+    (``extra``: label, numel, wire_messages, reps)."""
+
+    ENTRIES: ClassVar[_Builders] = {"denser": DensityTiming.from_dict,
+                                    "sample": RowSample.from_dict}
+    spec: Mapping[str, Any]  # the compressor spec's JSON
+    shape: tuple[int, ...]
+    encode_decode_s: float
+    wire_bytes: float
+    row_density: float | None = None  # data-dependent compressors: of the tensor timed
+    denser: DensityTiming | None = None  # and of a copy with more rows filled
+    measured: str | None = None  # "full" or "sample" (None, profiles before sampling: full)
+    sample: RowSample | None = None  # measured "sample": the rows timed
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodecError(Entry):
+    """A compressor's relative error on one parameter's gradients, in ``codecs.errors``
+    (``extra``: label, the errors of each step)."""
+
+    ENTRIES: ClassVar[_Builders] = {"sample": RowSample.from_dict}
+    spec: Mapping[str, Any]  # the compressor spec's JSON
+    param: str
+    rel_error: float  # per step
+    cum_error: float | None = None  # of the sums over the captured steps
+    measured: str | None = None  # "full", "live_rows" or "sample" (None: full)
+    sample: RowSample | None = None  # measured on rows: which
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowStructure(Entry):
+    """A parameter's gradient rows holding a non-zero value (fractions), in
+    ``codecs.structure``."""
+
+    row_density_max: float  # the busiest rank in the busiest step: what the cost model reads
+    row_density_mean: float | None = None
+    row_density_std: float | None = None
+    steps: int | None = None
+    ranks: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationRun(Entry):
+    """A measured step time of a policy on the profiled job, in ``calibration.results``
+    (``extra``: every step's time)."""
+
+    ALWAYS: ClassVar[frozenset[str]] = frozenset({"policy"})
+    policy: Mapping[str, Any] | None = None  # the policy's JSON; None: plain DDP
+    step_s: float  # the median
+    source: str | None = None  # who measured it: "verify", or None (the profile job)
+    policy_id: str | None = None  # verify's: the policy's id, replaced when measured again
+
+
+def _entry_fields(kind: type[Entry]) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(kind) if f.name not in _ENTRY_META)
+
+
+def _array(kind: type[Entry]) -> Callable[[Any], tuple[Any, ...]]:
+    return lambda values: tuple(kind.from_dict(v) for v in values)
+
+
+def _by_name(kind: type[Entry]) -> Callable[[Any], Mapping[str, Any]]:
+    return lambda values: MappingProxyType({k: kind.from_dict(v) for k, v in values.items()})
+
+
+def _fits(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``network.fits``: a NetworkFit per collective, and per link class under "p2p"."""
+    return MappingProxyType({
+        name: _by_name(NetworkFit)(fit) if name == "p2p" else NetworkFit.from_dict(fit)
+        for name, fit in values.items()})
+
+
+def _typed(builders: _Builders, name: str, value: Any) -> Any:
+    """A field's validated JSON as the field holds it."""
+    build = builders.get(name)
+    return freeze(value) if build is None or value is None else build(value)
+
+
+def _to_json(value: Any) -> Any:
+    """Plain JSON of a field: records as their dicts."""
+    if isinstance(value, Entry):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
 
 
 class Section:
@@ -57,6 +260,7 @@ class Section:
 
     KEY: ClassVar[str] = ""
     ALWAYS: ClassVar[frozenset[str]] = frozenset()  # written even when None
+    ENTRIES: ClassVar[_Builders] = {}  # fields that hold records (Entry)
 
     def __post_init__(self) -> None:
         where = (f"{self.origin}: {self.KEY}: must hold only JSON values (objects, arrays, "
@@ -74,8 +278,8 @@ class Section:
             raise ProfileError(f"{where}: {exc}") from exc
         names = self._names()
         for name in names:  # an absent one keeps its default, read-only
-            value = plain[name] if name in plain else thaw(getattr(self, name))
-            object.__setattr__(self, name, freeze(value))
+            value = plain[name] if name in plain else _to_json(getattr(self, name))
+            object.__setattr__(self, name, _typed(self.ENTRIES, name, value))
         object.__setattr__(self, "extra", freeze({k: v for k, v in plain.items() if k not in names}))
 
     @classmethod
@@ -104,7 +308,7 @@ class Section:
             collection = f.default_factory is not MISSING or f.default not in (None, MISSING)
             if (value is None and f.name not in self.ALWAYS) or (collection and not value):
                 continue
-            out[f.name] = thaw(value)
+            out[f.name] = _to_json(value)
         return out
 
     @classmethod
@@ -161,9 +365,10 @@ class Network(Section):
     """Collective and point-to-point fits and their raw samples."""
 
     KEY: ClassVar[str] = "network"
-    # collective -> {"latency_s", "bandwidth_Bps", "busbw_Bps"?}; "p2p": link class -> fit
+    ENTRIES: ClassVar[_Builders] = {"fits": _fits, "samples": _array(NetworkSample)}
+    # collective -> NetworkFit; "p2p": link class -> NetworkFit
     fits: Mapping[str, Any] = None  # type: ignore[assignment]  # required
-    samples: tuple[Mapping[str, Any], ...] = None  # type: ignore[assignment]  # required
+    samples: tuple[NetworkSample, ...] = None  # type: ignore[assignment]  # required
     extra: Mapping[str, Any] = field(default_factory=dict)
     origin: str = field(default="profile", compare=False)
 
@@ -180,6 +385,8 @@ class Network(Section):
                 v.number(f, f"{p}.latency_s", low=0.0, high=MAX_SECONDS)
                 v.number(f, f"{p}.bandwidth_Bps", low=0.0, low_open=True, high=MAX_BYTES)
                 v.optional(f, f"{p}.busbw_Bps", v.number, low=0.0, low_open=True, high=MAX_BYTES)
+                for j, size in enumerate(v.optional(f, f"{p}.fit_bytes", v.array) or ()):
+                    v.value(size, f"{p}.fit_bytes[{j}]", low=0.0, high=MAX_BYTES)
         for i, s in enumerate(v.array(net, "network.samples")):
             path = f"network.samples[{i}]"
             v.is_obj(s, path)
@@ -194,15 +401,17 @@ class Compute(Section):
     """Step-phase times and per-parameter gradient-ready times."""
 
     KEY: ClassVar[str] = "compute"
+    ENTRIES: ClassVar[_Builders] = {"params": _array(ProfiledParam),
+                                    "modules": _array(ModuleTiming)}
     step_s: tuple[float, ...] = None  # type: ignore[assignment]  # required, each > 0
     forward_s: tuple[float, ...] = None  # type: ignore[assignment]  # required
     backward_s: tuple[float, ...] = None  # type: ignore[assignment]  # required
     optimizer_s: tuple[float, ...] = None  # type: ignore[assignment]  # required
     hooked_step_s: tuple[float, ...] | None = None
     hooked_backward_s: tuple[float, ...] | None = None
-    # {"name", "shape", "ready_s" (null: never got a gradient), ...} in module order
-    params: tuple[Mapping[str, Any], ...] = None  # type: ignore[assignment]  # required
-    modules: tuple[Mapping[str, Any], ...] = ()  # {"name", "forward_s"?, "backward_s"?}
+    # in module order
+    params: tuple[ProfiledParam, ...] = None  # type: ignore[assignment]  # required
+    modules: tuple[ModuleTiming, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     origin: str = field(default="profile", compare=False)
 
@@ -223,22 +432,24 @@ class Compute(Section):
             v.shape(p, f"{path}.shape")
             if p.get("ready_s", 0.0) is not None:  # null: the parameter never got a gradient
                 v.number(p, f"{path}.ready_s", low=0.0, high=MAX_SECONDS)
+            v.optional(p, f"{path}.dtype", v.string)
         for i, m in enumerate(v.optional(comp, "compute.modules", v.array) or ()):
             path = f"compute.modules[{i}]"
             v.is_obj(m, path)
             v.string(m, f"{path}.name")
+            v.optional(m, f"{path}.type", v.string)
             for key in ("forward_s", "backward_s"):
                 if m.get(key) is not None:
                     v.number(m, f"{path}.{key}", low=0.0, high=MAX_SECONDS)
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return tuple(p["name"] for p in self.params)
+        return tuple(p.name for p in self.params)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Parameter name -> shape, in module order."""
-        return {p["name"]: tuple(int(d) for d in p["shape"]) for p in self.params}
+        return {p.name: p.shape for p in self.params}
 
 
 @dataclass(frozen=True)
@@ -246,15 +457,14 @@ class Codecs(Section):
     """Each compressor's measured cost and error on the profiled gradients."""
 
     KEY: ClassVar[str] = "codecs"
+    ENTRIES: ClassVar[_Builders] = {"shapes": _array(CodecCost), "errors": _array(CodecError),
+                                   "structure": _by_name(RowStructure)}
     world_size: int | None = None  # ranks the wire sizes were measured for
     grid: tuple[Any, ...] = ()  # the compressor specs measured
     skipped: tuple[Any, ...] = ()  # the specs the time budget cut
-    # {"spec", "shape", "encode_decode_s", "wire_bytes", "measured"?, "sample"?, ...}
-    shapes: tuple[Mapping[str, Any], ...] = ()
-    # {"spec", "param", "rel_error", "cum_error"?, "measured"?, "sample"?}
-    errors: tuple[Mapping[str, Any], ...] = ()
-    # parameter name -> {"row_density_max", "row_density_mean"?, ...}
-    structure: Mapping[str, Any] = field(default_factory=dict)
+    shapes: tuple[CodecCost, ...] = ()
+    errors: tuple[CodecError, ...] = ()
+    structure: Mapping[str, RowStructure] = field(default_factory=dict)  # parameter name ->
     sampling: Mapping[str, Any] = field(default_factory=dict)  # {"above"?, "numel"?}
     grad_norms: Mapping[str, float] = field(default_factory=dict)  # parameter name -> norm
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -279,8 +489,10 @@ class Codecs(Section):
             if v.optional(s, f"{path}.denser", v.obj) is not None:
                 v.number(s["denser"], f"{path}.denser.row_density", low=0.0, high=1.0)
                 v.number(s["denser"], f"{path}.denser.encode_decode_s", low=0.0, high=MAX_SECONDS)
-            # how the time was measured: absent (profiles before row sampling) is "full"
-            if v.optional(s, f"{path}.measured", v.choice, options=("full", "sample")) == "sample":
+            # how the time was measured: absent (profiles before row sampling) is "full"; a
+            # cell timed again in full keeps the sample it was first timed on
+            mode = v.optional(s, f"{path}.measured", v.choice, options=("full", "sample"))
+            if mode == "sample" or s.get("sample") is not None:
                 sample = v.obj(s, f"{path}.sample")
                 v.string(sample, f"{path}.sample.param")
                 v.integer(sample, f"{path}.sample.rows", low=1)
@@ -295,7 +507,7 @@ class Codecs(Section):
             v.optional(e, f"{path}.cum_error", v.number, low=0.0, high=MAX_RATIO)
             mode = v.optional(e, f"{path}.measured", v.choice,
                               options=("full", "live_rows", "sample"))
-            if mode in ("live_rows", "sample"):
+            if mode in ("live_rows", "sample") or e.get("sample") is not None:
                 sample = v.obj(e, f"{path}.sample")
                 of_rows = v.integer(sample, f"{path}.sample.of_rows", low=1, high=MAX_NUMEL)
                 v.integer(sample, f"{path}.sample.rows", low=1, high=of_rows)
@@ -330,8 +542,8 @@ class Calibration(Section):
     """Measured (policy, step time) pairs that fit the cost model's residual."""
 
     KEY: ClassVar[str] = "calibration"
-    # {"policy" (null: plain DDP), "step_s", "source"?, ...}
-    results: tuple[Mapping[str, Any], ...] = None  # type: ignore[assignment]  # required
+    ENTRIES: ClassVar[_Builders] = {"results": _array(CalibrationRun)}
+    results: tuple[CalibrationRun, ...] = None  # type: ignore[assignment]  # required
     extra: Mapping[str, Any] = field(default_factory=dict)
     origin: str = field(default="profile", compare=False)
 
@@ -343,6 +555,8 @@ class Calibration(Section):
             v.number(row, f"{path}.step_s", low=0.0, low_open=True, high=MAX_SECONDS)
             if row.get("policy") is not None:
                 v.policy(row["policy"], f"{path}.policy")
+            for key in ("source", "policy_id"):
+                v.optional(row, f"{path}.{key}", v.string)
 
 
 _SECTION_TYPES: dict[str, type[Section]] = {
@@ -377,7 +591,7 @@ class Profile:
             path = f"codecs.structure[{name!r}]"
             if name not in names:
                 _fail(self.source, path, f"not a profiled parameter (compute.params has no {name!r})")
-            v.optional(entry, f"{path}.ranks", v.integer, low=1, high=self.env.world_size)
+            v.optional(entry.to_dict(), f"{path}.ranks", v.integer, low=1, high=self.env.world_size)
 
     # ------------------------------------------------------------- (de)serialise
     @classmethod
@@ -420,7 +634,7 @@ class Profile:
         key = {
             "env": {k: v for k, v in self.env.to_dict().items() if k not in ("created", "wall_s")},
             "workload": self.workload.to_dict(),
-            "params": [(p["name"], list(p["shape"])) for p in self.compute.params],
+            "params": [(p.name, list(p.shape)) for p in self.compute.params],
         }
         return hashlib.sha256(dumps(key, indent=None).encode()).hexdigest()[:12]
 
@@ -428,7 +642,7 @@ class Profile:
     def world_size(self) -> int:
         return self.env.world_size
 
-    def fit(self, collective: str, link_class: str = "inter") -> Mapping[str, Any]:
+    def fit(self, collective: str, link_class: str = "inter") -> NetworkFit:
         """The fitted latency/bandwidth of a collective (p2p: of a link class, falling
         back to the other class when the cluster has only one)."""
         fits = self.network.fits

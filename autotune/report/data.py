@@ -347,16 +347,17 @@ def _sweep(model: CostModel, configs: Mapping[str, Policy | None]) -> Sweep | No
 def _layers(profile: Profile, model: CostModel, policy: Policy | None) -> list[LayerRow]:
     measured: dict[tuple[str, str], tuple[float, float]] = {}
     for e in profile.codecs.errors:
-        rel = float(e["rel_error"])
-        measured[(label_of(e["spec"]), e["param"])] = (rel, float(e.get("cum_error", rel)))
-    modules = {m["name"]: m.get("backward_s") for m in profile.compute.modules}
+        rel = float(e.rel_error)
+        cum = rel if e.cum_error is None else float(e.cum_error)
+        measured[(label_of(e.spec), e.param)] = (rel, cum)
+    modules = {m.name: m.backward_s for m in profile.compute.modules}
     # the model's ready times: scaled to steps without the probe's per-layer hooks
     ready = {p.name: p.ready_s for p in model.compute.params}
     rows = []
     for p in profile.compute.params:
-        name = p["name"]
-        shape = tuple(int(d) for d in p["shape"])
-        size = 2 if str(p.get("dtype", "float32")) in ("float16", "bfloat16") else 4
+        name = p.name
+        shape = p.shape
+        size = 2 if p.dtype in ("float16", "bfloat16") else 4
         label = label_of(policy.spec_for(name)) if policy is not None else PLAIN.name
         err = (0.0, 0.0) if label == PLAIN.name else measured.get((label, name), (None, None))
         backward = modules.get(name.rpartition(".")[0])

@@ -83,7 +83,7 @@ class SearchSpace:
 
         ``pinned`` maps parameter names to compressor specs (dicts or CompressorSpec)
         that the search must not change."""
-        measured = {label_of(s["spec"]) for s in profile.codecs.shapes}
+        measured = {label_of(s.spec) for s in profile.codecs.shapes}
         specs = {label_of(c): CompressorSpec.from_dict(c).canonical() for c in choices}
         specs = {k: v for k, v in specs.items() if k in measured or k == PLAIN.name}
         params = profile.compute.shapes
@@ -186,11 +186,13 @@ class ErrorModel:
         self.metric = metric
         self.errors: dict[tuple[str, str], float] = {}
         for e in profile.codecs.errors:
-            self.errors[(label_of(e["spec"]), e["param"])] = float(e.get(metric, e["rel_error"]))
+            error = getattr(e, metric)  # "cum_error" or "rel_error"; not measured: per step
+            self.errors[(label_of(e.spec), e.param)] = float(e.rel_error if error is None
+                                                             else error)
         norms = profile.codecs.grad_norms
         params = profile.compute.params
         # without norms, weight by size (a gradient's norm grows like sqrt(numel))
-        self.weights = {p["name"]: float(norms.get(p["name"], math.sqrt(math.prod(p["shape"]))))
+        self.weights = {p.name: float(norms.get(p.name, math.sqrt(math.prod(p.shape))))
                         for p in params}
         total = sum(w * w for w in self.weights.values())
         self._total = total if total > 0 else 1.0

@@ -19,11 +19,13 @@ and its meta says so.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any, Sequence
 
 from autotune.launch import Placement, launch
 from autotune.policies import Policy
 from autotune.presets import PRESETS
+from autotune.probes.profile import Calibration, CalibrationRun
 from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN
 from autotune.search.tuner import Candidate, TuneResult
 from autotune.trials import decide, method_key, ratio_interval, simplicity_ranks
@@ -214,18 +216,16 @@ def model_accuracy(report: dict[str, Any]) -> dict[str, Any]:
             "set_ups": len(rows)}
 
 
-def learned(calibration: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+def learned(calibration: Calibration, report: dict[str, Any]) -> Calibration:
     """The profile's calibration section with verification's measurements of our own
     policies added (``source: "verify"``), so that the next fit of the cost model's
     residual learns from them; an older measurement of the same policy is replaced."""
-    rows = [r for r in calibration.get("results", [])]
     measured = {r["policy_id"]: r for r in report.values()
                 if isinstance(r, dict) and r.get("policy_id") and r.get("policy") is not None}
-    keep = [r for r in rows if not (r.get("source") == "verify" and r.get("policy_id") in measured)]
-    for policy_id, r in measured.items():
-        keep.append({"policy": r["policy"], "step_s": r["measured_step_s"], "source": "verify",
-                     "policy_id": policy_id})
-    return {**calibration, "results": keep}
+    keep = [r for r in calibration.results if not (r.source == "verify" and r.policy_id in measured)]
+    keep += [CalibrationRun(policy=r["policy"], step_s=r["measured_step_s"], source="verify",
+                            policy_id=policy_id) for policy_id, r in measured.items()]
+    return replace(calibration, results=tuple(keep))
 
 
 def fastest_presets(report: dict[str, Any], max_error: float | None = None) -> Sequence[tuple[str, float]]:
