@@ -155,3 +155,25 @@ def test_a_set_up_dropped_early_cannot_tie_its_way_back(monkeypatch) -> None:
     policy, report = verify.verify_result(result, 2, "cnn", None)  # type: ignore[arg-type]
     assert report["_summary"]["winner"] == fastest
     assert report["stock:ddp"]["steps"] == 6 and report[fastest]["steps"] == 20
+
+
+def test_a_hierarchical_candidate_is_measured_beside_the_same_policy_flat() -> None:
+    from test_models import _two_hosts_profile
+
+    from autotune.search.tuner import tune
+    from autotune.search.verify import _setups, candidates
+
+    result = tune(_two_hosts_profile(), trials=40, seed=0, max_error=0.0)
+    assert result.tuned.policy.topology == "hierarchical"
+    picked = candidates(result, 4)
+    names = [c.name for c in picked]
+    for i, c in enumerate(picked):
+        if c.policy.topology == "hierarchical":
+            twin = picked[i - 1]  # just before it: simpler, so it wins a tie
+            assert twin.name == f"{c.name}-flat" and twin.policy.topology == "flat"
+            assert twin.policy.layers == c.policy.layers and twin.error == c.error
+            assert twin.predicted_s > 0
+    assert "tuned-flat" in names
+    setups, info = _setups(result, 4, "gloo")
+    assert [s["name"] for s in setups if s["name"].startswith("tuned")] == ["tuned-flat", "tuned"]
+    assert info["tuned-flat"]["kind"] == "candidate"

@@ -74,6 +74,10 @@ class TuneResult:
     exact: Candidate | None = None
     trials: int = 0
     wall_s: float = 0.0
+    # policy id of a hierarchical candidate (tuned, top, exact) -> the same policy flat,
+    # predicted: verification measures both, since the intra-host stages' cost is the
+    # hardest part of a step to predict (CPU ranks sharing cores)
+    flat: dict[str, Candidate] = field(default_factory=dict)
 
 
 def baseline_policies() -> dict[str, Policy | None]:
@@ -194,8 +198,18 @@ def tune(
         best = _refine(space, model, errors, cfg.max_error, *ranked[0][:2], what_if=cfg.what_if)
     meta = _meta(profile, cfg, study, best, base)
     chosen, emitted = _guard(best, base, meta)
+    flat = {c.policy.id: _flat_twin(c, model, cfg.what_if)
+            for c in [best, *top, *([exact] if exact else [])] if c.policy.topology != "flat"}
     return TuneResult(policy=emitted, chosen=chosen, tuned=best, baselines=base, top=top,
-                      exact=exact, trials=len(study.trials), wall_s=time.perf_counter() - started)
+                      exact=exact, trials=len(study.trials), wall_s=time.perf_counter() - started,
+                      flat=flat)
+
+
+def _flat_twin(c: Candidate, model: CostModel, what_if: WhatIf | None) -> Candidate:
+    """``c``'s policy with a flat exchange, predicted (the same compressors: the same error)."""
+    policy = Policy.from_dict(c.policy.to_dict() | {"topology": "flat"})
+    return Candidate(f"{c.name}-flat", policy, model.predict(policy, what_if or WhatIf()).step_s,
+                     c.error, c.feasible)
 
 
 def _topology_searched(model: CostModel, what_if: WhatIf | None) -> bool:

@@ -37,9 +37,11 @@ __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "m
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
     """The tuned policy and up to ``k - 1`` more distinct trials, spread over the
     Pareto front of (predicted step time, error): fast-and-lossy to slow-and-exact, so
-    that a misprediction in one corner does not hide the other; and the tuner's best
+    that a misprediction in one corner does not hide the other; the tuner's best
     exact trial (error 0, compressing something: e.g. rowsparse on the embeddings), if
-    none of those is it."""
+    none of those is it; and before each hierarchical one, the same policy flat
+    (``<name>-flat``), since whether the intra-host stages pay is for a measurement to
+    say."""
     tuned = Candidate("tuned", result.tuned.policy, result.tuned.predicted_s, result.tuned.error, True)
     pool = [c for c in result.top if c.policy.id != tuned.policy.id]
     front = [c for c in pool if not any(
@@ -57,7 +59,14 @@ def candidates(result: TuneResult, k: int) -> list[Candidate]:
     exact = result.exact
     if exact is not None and k > 0 and all(c.policy.id != exact.policy.id for c in out):
         out.append(exact)  # the best exact option is always measured (see exact_margin)
-    return out
+    # a hierarchical one is measured beside the same policy flat, listed first (simpler)
+    with_twins: list[Candidate] = []
+    for c in out:
+        twin = result.flat.get(c.policy.id)
+        if twin is not None and all(o.policy.id != twin.policy.id for o in out):
+            with_twins.append(replace(twin, name=f"{c.name}-flat"))
+        with_twins.append(c)
+    return with_twins
 
 
 def _plain(policy: Policy) -> dict[str, Any]:
