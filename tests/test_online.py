@@ -285,7 +285,9 @@ def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(run_ranks, ml
     r = run_ranks("test_online:rank_compute_slowdown", profile=mlp_profile, timeout=240)[0]
     drifts = [e for e in r["events"] if e["event"] == "drift"]
     assert drifts, r["events"]
-    assert drifts[0]["compute_speed"] < 0.5, drifts[0]  # steps got several times slower
+    # slower by more than drift's threshold (by how much depends on the host's load: a
+    # loaded CI machine's base step is slower, so the sleep added counts for less)
+    assert drifts[0]["compute_speed"] < 1 / (1 + OnlineConfig().threshold), drifts[0]
     assert drifts[0]["link_scale"] == drifts[0]["ref_link_scale"]
     # slower compute hides more of plain DDP's communication: nothing better to switch to
     assert [e["event"] for e in r["events"]][1] == "keep", r["events"]

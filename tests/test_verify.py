@@ -158,6 +158,8 @@ def test_a_set_up_dropped_early_cannot_tie_its_way_back(monkeypatch) -> None:
 
 
 def test_a_hierarchical_candidate_is_measured_beside_the_same_policy_flat() -> None:
+    from dataclasses import replace
+
     from test_models import _two_hosts_profile
 
     from autotune.search.tuner import tune
@@ -173,7 +175,14 @@ def test_a_hierarchical_candidate_is_measured_beside_the_same_policy_flat() -> N
             assert twin.name == f"{c.name}-flat" and twin.policy.topology == "flat"
             assert twin.policy.layers == c.policy.layers and twin.error == c.error
             assert twin.predicted_s > 0
+        elif c.name.endswith("-flat") and i + 1 < len(picked):  # (the last may be alone)
+            assert picked[i + 1].name == c.name[: -len("-flat")]
     assert "tuned-flat" in names
+    # one set-up more at most (each holds a model copy on every rank): the last
+    # candidates make room
+    plain = candidates(replace(result, flat={}), 4)
+    assert len(picked) == len(plain) + 1
+    assert [c.name for c in picked[:2]] == ["tuned-flat", "tuned"]
     setups, info = _setups(result, 4, "gloo")
     assert [s["name"] for s in setups if s["name"].startswith("tuned")] == ["tuned-flat", "tuned"]
     assert info["tuned-flat"]["kind"] == "candidate"
