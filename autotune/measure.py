@@ -36,6 +36,9 @@ __all__ = ["Setup", "bench_setups", "rank_measure", "run_bench", "summarize"]
 # What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
 # communication hooks, the compute-only floor.
 KINDS = ("ddp", "policy", "hook", "floor")
+# a set-up whose fastest step is this many times the fastest set-up's slowest leaves
+# after its first round (this machine's CPU speed drifts by up to 1.5x)
+CLEARLY_SLOWER = 2.0
 HOOKS = tuple(dict.fromkeys(p.hook for p in PRESETS if p.hook is not None))  # PyTorch's, by preset
 # What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
 Wrap = Callable[..., torch.nn.Module]
@@ -201,9 +204,12 @@ def rank_measure(
     Adaptive when ``separate`` names set-ups (those that may win): after ``min_rounds``
     rounds, a set-up that measured slower than the fastest of them beyond the bootstrap
     interval (:func:`autotune.trials.ratio_interval`), and any set-up not named, stops
-    being measured; the measurement ends when one named set-up is left, after
-    ``rounds`` rounds, or once ``budget_s`` seconds of measuring have passed. Rank 0
-    decides from the slowest rank's times and broadcasts, so every rank agrees.
+    being measured; before that, only a set-up :data:`CLEARLY_SLOWER` than the fastest
+    named one in every step does. The measurement ends when one named set-up is left,
+    after ``rounds`` rounds, or once ``budget_s`` seconds have passed after the first
+    round (which every set-up runs, however slow: the budget is for telling the close
+    ones apart). Rank 0 decides from the slowest rank's times and broadcasts, so every
+    rank agrees.
 
     Args:
         workload: a workload spec (built-in name, ``file.py:fn`` or ``module:fn``).
@@ -216,7 +222,8 @@ def rank_measure(
         lr: SGD learning rate.
         threads: torch intra-op threads per rank (default: cores / local ranks).
         min_rounds: rounds every set-up runs before any is dropped (default: ``rounds``).
-        budget_s: seconds of measurement after which it stops (None: no limit).
+        budget_s: seconds of measurement after the first round after which it stops
+            (None: no limit).
         separate: the set-ups that may win (None: measure all for ``rounds`` rounds).
         wrap: what applies a set-up's policy (None: :func:`autotune.runtime.wrap`). Set-ups
             that revise online need one that takes ``online=True``: launch
@@ -243,6 +250,7 @@ def rank_measure(
     slowest: dict[int, list[float]] = {id(r): [] for r in runners}  # the slowest rank's times
     floor_rounds = rounds if min_rounds is None else max(1, min(min_rounds, rounds))
     started = time.perf_counter()
+    budget_from: float | None = None  # the budget counts once every set-up was measured
     done = 0
     while done < rounds and active:
         for runner in active:
@@ -255,17 +263,23 @@ def rank_measure(
         for i, runner in enumerate(active):
             slowest[id(runner)].extend(fresh[i * block : (i + 1) * block].tolist())
         done += 1
-        if separate is None or done < floor_rounds:
+        budget_from = budget_from or time.perf_counter()
+        if separate is None:
             continue
         keep = torch.zeros(len(active), dtype=torch.uint8)
         if dist.get_rank() == 0:
-            over = budget_s is not None and time.perf_counter() - started >= budget_s
-            names = _contenders({r.setup.name: slowest[id(r)] for r in active}, separate)
-            keep = torch.tensor([0 if over else int(r.setup.name in names) for r in active],
-                                dtype=torch.uint8)
+            now = {r.setup.name: slowest[id(r)] for r in active}
+            if done < floor_rounds:  # before the first test, only the clearly slower leave
+                names = set(now) - _clearly_slower(now, separate)
+            elif budget_s is not None and time.perf_counter() - budget_from >= budget_s:
+                names = set()
+            else:
+                names = _contenders(now, separate)
+            keep = torch.tensor([int(r.setup.name in names) for r in active], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
         active = [r for r, k in zip(active, keep.tolist()) if k]
-        if len([r for r in active if r.setup.name in separate]) <= 1:
+        if len(active) <= 1 or (done >= floor_rounds and
+                                len([r for r in active if r.setup.name in separate]) <= 1):
             break
     measure_s = time.perf_counter() - started
     results = []
@@ -326,6 +340,18 @@ def run_bench(
     return launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                   kwargs={"workload": workload, "setups": list(setups), "rounds": rounds,
                           "block": block, "warmup": warmup})[0]
+
+
+def _clearly_slower(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:
+    """The set-ups whose fastest step took over :data:`CLEARLY_SLOWER` times the slowest
+    step of the fastest set-up of ``separate``: no CPU-speed drift explains that, so
+    they need not be measured again (at 100 Mbit plain DDP's step can be 30 times a
+    compressed one's, and three rounds of it would spend the whole budget)."""
+    named = {n: t for n, t in times.items() if n in separate}
+    if not named:
+        return set()
+    best = min(named, key=lambda n: statistics.median(named[n]))
+    return {n for n, t in times.items() if min(t) > CLEARLY_SLOWER * max(named[best])}
 
 
 def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:

@@ -15,7 +15,9 @@ With ``--tune`` (the default) each cell first does what a user would: profile th
 cluster, tune (the study searches flat and hierarchical per policy) and verify; the
 written policy is then measured as ``tuned`` beside the others, and the cost model
 fitted on that profile predicts every configuration: the error of its predicted ratio to
-DDP against the measured one is the model's accuracy on the cell. Each cell's profile is
+DDP against the measured one is the model's accuracy on the cell (also given for the
+model refitted with verification's measurements learned, as ``autotune tune`` stores
+the profile). Each cell's profile is
 written beside ``--out`` (for ``autotune simulate --hosts`` what-ifs).
 
     python bench/hierarchical.py [--workloads cnn,dlrm] [--links 1gbit,100mbit]
@@ -29,6 +31,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ from autotune.runtime.hook import PHASES
 from autotune.search.defaults import candidate_pool
 from autotune.search.space import ErrorModel
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
-from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, verify_result
+from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, learned, verify_result
 from autotune.workloads import resolve_workload
 
 CAP_MB = 25.0
@@ -144,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                              "profile_tune_verify_s": time.perf_counter() - t0,
                              "max_error": float(policy.meta.get("max_error", DEFAULT_MAX_ERROR)),
                              "errors": {s["name"]: errors.of(_policy_of(s)) for s in setups},
-                             "model": CostModel.fit(profile)}
+                             "model": CostModel.fit(profile),
+                             # what `autotune tune` stores: the profile with verification's
+                             # measurements learned (the next fit's residual uses them)
+                             "model_learned": CostModel.fit(
+                                 replace(profile, calibration=learned(profile.calibration, verified)))}
                 measured = launch("autotune.measure:rank_measure", placement=cluster, timeout=7200,
                                   kwargs={"workload": workload, "setups": setups,
                                           "rounds": args.rounds, "block": args.block,
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                               "hierarchical_over_flat": ratios, "methods": methods,
                               "wall_s": time.perf_counter() - t0, "results": measured["results"]})
                 if tuned:
-                    model = tuned.pop("model")
+                    model, model_learned = tuned.pop("model"), tuned.pop("model_learned")
                     others = [n for n in med if n != "tuned"]
                     best = min(others, key=med.__getitem__)
                     ok = min((n for n in others if tuned["errors"][n] <= tuned["max_error"]),
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "best_within_budget": ok,
                                                   "tuned_over_best_within_budget": med["tuned"] / med[ok]}
                     cells[-1]["model_accuracy"] = model_accuracy(model, setups, med)
+                    cells[-1]["model_accuracy_after_verify"] = model_accuracy(model_learned, setups, med)
                 console.print(f"{link} {workload}: " + ", ".join(
                     f"{m} {r:.3f}" for m, r in ratios.items()) + f" ({cells[-1]['wall_s']:.0f} s)"
                     + (f"; tuned {tuned['chosen']} {cells[-1]['tuned']['tuned_over_best']:.3f}x the best "
@@ -193,16 +201,19 @@ def main(argv: list[str] | None = None) -> int:
                          "to DDP over our set-ups")
         for col in ("link", "workload", "tuned ms", "chosen", "topology", "tuned/best other",
                     "tuned/best within budget", "model ratio error: median", "max",
+                    "after verify: median", "max",
                     "stock PowerSGD r1 (not modelled)", "profile+tune+verify s"):
             tt.add_column(col, justify="left" if col in ("link", "workload", "chosen", "topology") else "right")
         for c in cells:
             if "tuned" in c:
                 t, a = c["tuned"], c["model_accuracy"]
+                v = c.get("model_accuracy_after_verify", a)
                 tt.add_row(c["link"], c["workload"], f"{c['median_s']['tuned'] * 1e3:.0f}", str(t["chosen"]),
                            t["topology"], f"{t['tuned_over_best']:.3f} ({t['best_other']}, error "
                            f"{t['errors'][t['best_other']]:.2f})",
                            f"{t['tuned_over_best_within_budget']:.3f} ({t['best_within_budget']})",
                            f"{a['median_ratio_error']:.1%}", f"{a['max_ratio_error']:.1%}",
+                           f"{v['median_ratio_error']:.1%}", f"{v['max_ratio_error']:.1%}",
                            f"{a['ratio_error']['stock:powersgd1']:+.1%}", f"{t['profile_tune_verify_s']:.0f}")
         console.print(tt)
 

@@ -41,6 +41,17 @@ def test_measurement_ends_at_its_budget(run_ranks) -> None:
     assert all(len(r["step_s"]) == 3 for r in result["results"])
 
 
+def test_only_a_set_up_slower_in_every_step_than_twice_the_fastest_leaves_before_min_rounds() -> None:
+    from autotune.measure import _clearly_slower
+
+    times = {"ddp": [7.1, 7.3], "fp16": [0.9, 0.41], "rowsparse": [0.2, 0.3], "stock:ddp": [7.0, 0.5]}
+    # 0.9 > 2 x 0.3 but fp16's fastest step is not: a drift could explain it
+    assert _clearly_slower(times, ["ddp", "fp16", "rowsparse"]) == {"ddp"}
+    # a set-up that may not win is measured against those that may
+    assert _clearly_slower({"a": [1.0], "b": [0.1]}, ["a"]) == set()
+    assert _clearly_slower(times, []) == set()
+
+
 @pytest.fixture(scope="module")
 def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("verify") / "profile.json"

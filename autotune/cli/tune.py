@@ -95,8 +95,9 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                         help="choose by the cost model's prediction alone (no job is started)")
     parser.add_argument("--verify-budget", type=_positive_seconds, default=DEFAULT_BUDGET_S,
                         metavar="SECONDS",
-                        help="measurement time after which the lowest median wins even if its "
-                             f"lead is within noise (default: {DEFAULT_BUDGET_S:g})")
+                        help="measurement time, after the first round every set-up runs, after "
+                             "which the lowest median wins even if its lead is within noise "
+                             f"(default: {DEFAULT_BUDGET_S:g})")
     parser.add_argument("--exact-margin", type=_fraction, default=DEFAULT_EXACT_MARGIN,
                         metavar="FRACTION",
                         help="write an exact set-up (error 0: plain DDP, rowsparse, a lossless "

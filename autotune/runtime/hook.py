@@ -460,10 +460,7 @@ class AutotuneState:
             before = len(log)
             tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
             group.compressor.reduce(tensors, group.names, comm)
-            sent = sum(e[3] for e in log[before:])
-            record.bytes_by_compressor[group.label] = (
-                record.bytes_by_compressor.get(group.label, 0) + sent
-            )
+            _count_sent(record, group.label, log[before:])
 
     def _exchange(self, plan: _Plan, buffer: torch.Tensor, span: tuple[int, int] | None,
                   hierarchy: Hierarchy, log: list[tuple[str, float, float, int]],
@@ -487,9 +484,7 @@ class AutotuneState:
                     group = plan.groups[0]
                     before = len(log)
                     group.compressor.reduce([piece], ("bucket",), comm)
-                    record.bytes_by_compressor[group.label] = (
-                        record.bytes_by_compressor.get(group.label, 0)
-                        + sum(e[3] for e in log[before:] if e[0] in _COLLECTIVES))
+                    _count_sent(record, group.label, log[before:])
             finally:
                 comm.log = None
         start = time.perf_counter()
@@ -716,6 +711,13 @@ def _close_open_states() -> None:
 
 
 _COLLECTIVES = ("allreduce", "allgather")
+
+
+def _count_sent(record: BucketRecord, label: str, entries: list[tuple[str, float, float, int]]) -> None:
+    """Add the bytes that the collectives among ``entries`` (a communicator log's
+    tail, where the other stage's thread may also have logged) moved to ``label``'s."""
+    sent = sum(nbytes for kind, _, _, nbytes in entries if kind in _COLLECTIVES)
+    record.bytes_by_compressor[label] = record.bytes_by_compressor.get(label, 0) + sent
 
 
 def _account(record: BucketRecord, log: list[tuple[str, float, float, int]], began: float,
