@@ -219,6 +219,7 @@ def test_hidden_communication_settles_on_plain_ddp_without_a_search(run_ranks, t
     save = tmp_path / "p.json"
     a, _ = run_ranks("test_auto:rank_hidden", save=str(save), timeout=300)
     assert "searched" not in a["events"] and "switch" not in a["events"]
+    assert "network_probe" not in a["events"]  # decided before the network is probed
     assert "communication is hidden" in a["summary"]["why"] and a["worker_gone"]
     saved = load_policy(save)
     assert saved.id == a["policy_id"] and "hidden" in saved.meta["verification"]["why"]

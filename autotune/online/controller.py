@@ -28,8 +28,9 @@ between steps, at the start of a forward pass: never inside a backward pass.
 * **Auto** (``wrap(model, "auto")``): the controller starts from plain DDP and
   explores first. Rank 0 times a few steps of DDP (the reference), instruments a few
   more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
-  copies of the live gradients), then every rank joins a short network probe at one
-  boundary; a search worker process on rank 0 (:mod:`autotune.online.worker`, at the
+  copies of the live gradients); if DDP's step is then within ``HIDDEN_MARGIN`` of its
+  compute floor it settles on DDP at once. Otherwise every rank joins a short network
+  probe at one boundary; a search worker process on rank 0 (:mod:`autotune.online.worker`, at the
   lowest CPU priority, so training keeps its GIL and cores) probes the codecs on the
   copied gradients, builds a :class:`~autotune.probes.profile.Profile`, fits the cost
   model and runs the search; then the best candidates and the presets' equivalents are tried on live
@@ -198,6 +199,7 @@ class Controller:
         self._explore_from: int | None = None  # first step of the current exploration
         self._explore_times: list[float] = []  # its steps' times, for the degraded count
         self._network: dict[str, Any] | None = None
+        self._compute: dict[str, Any] | None = None  # the instrumented steps' compute section
         self._exploration: Exploration | None = None
         self._stall_s = 0.0  # the network probe's time (outside any step)
         self._totals = {"explorations": 0, "explore_steps": 0, "degraded_steps": 0}
@@ -518,12 +520,13 @@ class Controller:
             assert self._profiler is not None
             if len(self._profiler.steps) < self.config.profile_steps:
                 return b"", 0, 0, 1
+            hidden = self._hidden()
+            if hidden is not None:  # nothing to gain: plain DDP stays, no network probe
+                return self._conclude(None, None, why=hidden)
             self.phase = "network"
             return b"", 0, _NETWORK, 1  # every rank probes the network after this header
         if self.phase == "network":
-            hidden = self._start_auto_search()
-            if hidden is not None:  # nothing to gain: plain DDP stays
-                return self._conclude(None, None, why=hidden)
+            self._start_auto_search()
             self.phase = "search"
             return b"", 0, 0, 1
         if self.phase == "search":
@@ -562,24 +565,36 @@ class Controller:
                    "new_policy": policy.id, **info})
         return policy.to_json(indent=None).encode(), switch
 
-    def _start_auto_search(self) -> str | None:
-        """Hand the measurements to the search; or, when communication costs the DDP
-        start almost nothing, do not search and return why (no policy can beat the
-        compute floor: the gain is bounded by the exposed communication)."""
-        assert self._profiler is not None and self._network is not None
-        compute = self._profiler.compute_section()
+    def _hidden(self) -> str | None:
+        """Why not to tune at all, from the instrumented steps, before anything else is
+        measured: when the DDP start is within :data:`HIDDEN_MARGIN` of its compute
+        floor, no policy can gain more than that (the gain is bounded by the exposed
+        communication), and even the network probe would cost more than it could win."""
+        assert self._profiler is not None
+        self._compute = self._profiler.compute_section()
+        floor = statistics.median(self._compute["step_s"])
+        reference = statistics.median(self._ddp_steps)
+        if reference > (1 + HIDDEN_MARGIN) * floor:
+            return None
+        self._profiler.close()
+        self._profiler = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        return (f"plain DDP's step ({reference * 1e3:.1f} ms) is within "
+                f"{HIDDEN_MARGIN:.0%} of its compute alone ({floor * 1e3:.1f} ms): "
+                f"communication is hidden, nothing to tune")
+
+    def _start_auto_search(self) -> None:
+        """Hand the measurements (the instrumented steps' compute, the copied
+        gradients, the network probe) to the search: on the worker process, or a
+        thread."""
+        assert self._profiler is not None and self._network is not None and self._compute is not None
+        compute = self._compute
         grads = self._profiler.grads
         self._profiler.close()
         self._profiler = None
-        floor = statistics.median(compute["step_s"])
         reference = statistics.median(self._ddp_steps)
-        if reference <= (1 + HIDDEN_MARGIN) * floor:
-            if self._worker is not None:
-                self._worker.close()
-                self._worker = None
-            return (f"plain DDP's step ({reference * 1e3:.1f} ms) is within "
-                    f"{HIDDEN_MARGIN:.0%} of its compute alone ({floor * 1e3:.1f} ms): "
-                    f"communication is hidden, nothing to tune")
         request = {
             "compute": compute, "network": self._network, "env": live_environment(self._network),
             "current": self.state.policy.to_dict(), "model_name": self._model_name,
@@ -591,7 +606,7 @@ class Controller:
         if self._worker is not None:
             try:
                 self._worker.submit(request, grads, timeout_s=SEARCH_TIMEOUT_S + 10 * self.config.budget_s)
-                return None
+                return
             except OSError as exc:  # it died before the request: search here instead
                 logger.warning("auto: the search worker failed (%s); searching on a thread", exc)
                 self._worker.close()
@@ -613,7 +628,6 @@ class Controller:
 
         self._search = threading.Thread(target=run, name="autotune-auto-search", daemon=True)
         self._search.start()
-        return None
 
     def _poll_search(self) -> dict[str, Any] | None:
         """The auto search's reply once it is there (None: still searching)."""
