@@ -23,11 +23,13 @@ written beside ``--out`` (for ``autotune simulate --hosts`` what-ifs).
     python bench/hierarchical.py [--workloads cnn,dlrm] [--links 1gbit,100mbit]
                                  [--hosts 2] [--nproc-per-node 2] [--rounds 5] [--block 2]
                                  [--no-tune] [--budget-s 40] [--verify 4]
+    python bench/hierarchical.py --show RESULTS.json [RESULTS.json ...]   # tables only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -37,6 +39,7 @@ from typing import Any
 
 from _links import save_cells  # bench/ is on sys.path when a script runs
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autotune.emulate import EmulatedCluster
@@ -50,6 +53,7 @@ from autotune.search.defaults import candidate_pool
 from autotune.search.space import ErrorModel
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, learned, verify_result
+from autotune.trials import ratio_interval
 from autotune.workloads import resolve_workload
 
 CAP_MB = 25.0
@@ -107,6 +111,14 @@ def model_accuracy(model: CostModel, setups: list[dict[str, Any]], med: dict[str
             "median_ratio_error": statistics.median(size), "max_ratio_error": size[-1]}
 
 
+def _span(cell: dict[str, Any], rival: str) -> str:
+    """The 95% bootstrap interval of the tuned policy's median over ``rival``'s, from
+    the cell's measured steps."""
+    steps = {r["name"]: r["step_s"] for r in cell["results"]}
+    low, high = ratio_interval(steps["tuned"], steps[rival])
+    return escape(f"[{low:.2f}-{high:.2f}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="cnn,dlrm")
@@ -123,8 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", type=int, default=DEFAULT_CANDIDATES, metavar="K")
     parser.add_argument("--verify-budget", type=float, default=DEFAULT_BUDGET_S)
     parser.add_argument("--out", type=Path, default=Path("bench/results/hierarchical.json"))
+    parser.add_argument("--show", type=Path, nargs="+", metavar="RESULTS",
+                        help="print the tables of saved results (several runs' cells together) "
+                             "and measure nothing")
     args = parser.parse_args(argv)
     console = Console(width=220)
+    if args.show:
+        runs = [json.loads(path.read_text()) for path in args.show]
+        print_tables(console, [c for run in runs for c in run["cells"]],
+                     runs[0]["args"]["hosts"], runs[0]["args"]["nproc_per_node"])
+        return 0
     started = time.time()
     cells: list[dict[str, Any]] = []
 
@@ -168,10 +188,13 @@ def main(argv: list[str] | None = None) -> int:
                     best = min(others, key=med.__getitem__)
                     ok = min((n for n in others if tuned["errors"][n] <= tuned["max_error"]),
                              key=med.__getitem__)
-                    cells[-1]["tuned"] = tuned | {"best_other": best,
-                                                  "tuned_over_best": med["tuned"] / med[best],
-                                                  "best_within_budget": ok,
-                                                  "tuned_over_best_within_budget": med["tuned"] / med[ok]}
+                    steps = {n: r["step_s"] for n, r in by_name.items()}
+                    cells[-1]["tuned"] = tuned | {
+                        "best_other": best, "tuned_over_best": med["tuned"] / med[best],
+                        "tuned_over_best_interval": ratio_interval(steps["tuned"], steps[best]),
+                        "best_within_budget": ok,
+                        "tuned_over_best_within_budget": med["tuned"] / med[ok],
+                        "tuned_over_best_within_budget_interval": ratio_interval(steps["tuned"], steps[ok])}
                     cells[-1]["model_accuracy"] = model_accuracy(model, setups, med)
                     cells[-1]["model_accuracy_after_verify"] = model_accuracy(model_learned, setups, med)
                 console.print(f"{link} {workload}: " + ", ".join(
@@ -180,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
                        f"other ({cells[-1]['tuned']['best_other']}), model ratio error median "
                        f"{cells[-1]['model_accuracy']['median_ratio_error']:.1%}" if tuned else ""))
                 save_cells("hierarchical", args, cells, started)
+    print_tables(console, cells, args.hosts, args.nproc_per_node)
+    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
+    return 0
 
-    table = Table(title=f"{args.hosts} hosts x {args.nproc_per_node} ranks: median step ms "
+
+def print_tables(console: Console, cells: list[dict[str, Any]], hosts: int, nproc_per_node: int) -> None:
+    """The benchmark's tables for ``cells`` (of one run, or of several with --show)."""
+    table = Table(title=f"{hosts} hosts x {nproc_per_node} ranks: median step ms "
                         "(slowest rank), interleaved; hier/flat = hierarchical over flat, same method")
     for col in ("link", "workload", "ddp", "stock PowerSGD r1", "method", "flat", "hierarchical", "hier/flat"):
         table.add_column(col, justify="left" if col in ("link", "workload", "method") else "right")
@@ -199,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         tt = Table(title="the policy autotune wrote for the cell (profile, tune, verify on the same cluster) "
                          "against the others measured, and the cost model's error of the predicted ratio "
                          "to DDP over our set-ups")
-        for col in ("link", "workload", "tuned ms", "chosen", "topology", "tuned/best other",
-                    "tuned/best within budget", "model ratio error: median", "max",
+        for col in ("link", "workload", "tuned ms", "chosen", "topology", "tuned/best other (95% interval)",
+                    "tuned/best within budget (95% interval)", "model ratio error: median", "max",
                     "after verify: median", "max",
                     "stock PowerSGD r1 (not modelled)", "profile+tune+verify s"):
             tt.add_column(col, justify="left" if col in ("link", "workload", "chosen", "topology") else "right")
@@ -209,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                 t, a = c["tuned"], c["model_accuracy"]
                 v = c.get("model_accuracy_after_verify", a)
                 tt.add_row(c["link"], c["workload"], f"{c['median_s']['tuned'] * 1e3:.0f}", str(t["chosen"]),
-                           t["topology"], f"{t['tuned_over_best']:.3f} ({t['best_other']}, error "
-                           f"{t['errors'][t['best_other']]:.2f})",
-                           f"{t['tuned_over_best_within_budget']:.3f} ({t['best_within_budget']})",
+                           t["topology"], f"{t['tuned_over_best']:.3f} {_span(c, t['best_other'])} "
+                           f"({t['best_other']}, error {t['errors'][t['best_other']]:.2f})",
+                           f"{t['tuned_over_best_within_budget']:.3f} "
+                           f"{_span(c, t['best_within_budget'])} ({t['best_within_budget']})",
                            f"{a['median_ratio_error']:.1%}", f"{a['max_ratio_error']:.1%}",
                            f"{v['median_ratio_error']:.1%}", f"{v['max_ratio_error']:.1%}",
                            f"{a['ratio_error']['stock:powersgd1']:+.1%}", f"{t['profile_tune_verify_s']:.0f}")
@@ -231,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     console.print(bd)
     console.print("targets: hierarchical <= 0.7x flat with the same method at 100 Mbit; tuned <= 1.00x "
                   "the best of the others; model ratio error <= 10%")
-    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -243,3 +243,10 @@ def test_bad_auto_options_fail_in_wrap_with_one_clear_error(run_ranks, tmp_path:
     assert "zip" in out["pinned_spec"]
     assert "policy to save" in out["save_dir"]
     assert 'only with wrap(model, "auto")' in out["save_without_auto"]
+
+
+def test_the_network_probe_stops_at_the_first_size_that_holds_the_gradient() -> None:
+    kib = 1024
+    assert controller.probe_sizes(2_600_000) == (16 * kib, 64 * kib, 256 * kib, 1024 * kib, 4096 * kib)
+    assert controller.probe_sizes(100) == (16 * kib, 64 * kib, 256 * kib)  # three for the fit
+    assert controller.probe_sizes(10**9)[-1] == 16 * 1024 * kib  # no more than six

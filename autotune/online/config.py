@@ -46,7 +46,8 @@ class OnlineConfig:
         candidates: auto: tuned candidates tried besides the presets' equivalents.
         profile_steps: auto: steps of plain DDP timed as the reference, and as many
             instrumented for the profile (at least 2).
-        network_budget_s: auto: seconds of the network probe every rank joins once.
+        network_budget_s: auto: seconds of the network probe every rank joins once, at
+            most (it is also held to about 20 steps of the DDP start).
         save: auto: where rank 0 writes the chosen policy when it settles.
     """
 

@@ -30,7 +30,7 @@ between steps, at the start of a forward pass: never inside a backward pass.
   more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
   copies of the live gradients); if DDP's step is then within ``HIDDEN_MARGIN`` of its
   compute floor it settles on DDP at once. Otherwise every rank joins a short network
-  probe at one boundary; a search worker process on rank 0 (:mod:`autotune.online.worker`, at the
+  probe at one boundary (at most :data:`NETWORK_STEPS` DDP steps long); a search worker process on rank 0 (:mod:`autotune.online.worker`, at the
   lowest CPU priority, so training keeps its GIL and cores) probes the codecs on the
   copied gradients, builds a :class:`~autotune.probes.profile.Profile`, fits the cost
   model and runs the search; then the best candidates and the presets' equivalents are tried on live
@@ -83,7 +83,7 @@ logger = logging.getLogger(__name__)
 
 # Header of the control broadcast: [policy bytes, switch step, revision, action, steps to
 # the next check]
-_HEADER = 5
+_HEADER = 6  # payload bytes, switch step, revision, action, steps to the next check, argument
 _PROBE, _NETWORK = 1, 2  # actions: a small probe allreduce; the auto mode's network probe
 PROBE_BYTES = 512 * 1024  # above tbf's burst on an emulated link, cheap on a real one
 LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwidth
@@ -100,8 +100,18 @@ FIRST_TIMED_STEP = 2  # steps 0 and 1 run before and during DDP's bucket rebuild
 CODEC_SHARE = 0.4  # of budget_s: the auto mode's codec probe; the search gets the rest
 # the DDP start within this of its compute floor: communication is hidden, no search
 HIDDEN_MARGIN = 0.05
+NETWORK_STEPS = 20  # auto's network probe takes at most about this many DDP steps
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
+
+
+def probe_sizes(grad_bytes: int, smallest: int = 16 * 1024, count: int = 6) -> tuple[int, ...]:
+    """The network probe's message sizes: ``smallest`` times powers of 4, up to the
+    first that holds the whole gradient (no bucket is larger), at least three (the
+    fit needs them) and at most ``count``."""
+    sizes = [smallest * 4**i for i in range(count)]
+    needed = next((i + 1 for i, size in enumerate(sizes) if size >= grad_bytes), count)
+    return tuple(sizes[:max(3, needed)])
 
 
 @dataclass
@@ -164,6 +174,8 @@ class Controller:
         self.auto = auto
         self.rebucket = rebucket
         self._model_name = type(module).__name__ if module is not None else "model"
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters()
+                               if p.requires_grad) if module is not None else 0
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
@@ -207,10 +219,6 @@ class Controller:
         self._reply: dict[str, Any] | None = None  # a thread search's reply
         if auto and self.rank == 0:
             self._profiler = LiveProfiler(module, state)  # type: ignore[arg-type]
-            try:  # now, so that its imports overlap the first steps
-                self._worker = SearchWorker()
-            except OSError as exc:
-                logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
         if auto and config.save is not None and self.rank == 0:
             check_writable(config.save, AutotuneError, "the policy to save")
         if self.rank == 0:
@@ -257,10 +265,11 @@ class Controller:
         payload = b""
         if self.rank == 0:
             payload, switch_step, action, every = self._decide()
-            header[:] = torch.tensor([len(payload), switch_step, self.revision, action, every])
+            argument = round(self._network_budget_s() * 1e6) if action == _NETWORK else 0
+            header[:] = torch.tensor([len(payload), switch_step, self.revision, action, every, argument])
         header = header.to(self.device)
         dist.broadcast(header, src=self._src(), group=self.group)
-        size, switch_step, revision, action, every = (int(x) for x in header.cpu().tolist())
+        size, switch_step, revision, action, every, argument = (int(x) for x in header.cpu().tolist())
         self._every = every
         self._next_check = self.step + every
         if self.auto and self.rank != 0 and every != 1:
@@ -277,7 +286,7 @@ class Controller:
         if action == _PROBE:
             self._probe()
         elif action == _NETWORK:
-            self._probe_network()
+            self._probe_network(argument / 1e6)
 
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -290,11 +299,19 @@ class Controller:
             with self._lock:
                 self._window.probes.append((PROBE_BYTES, time.perf_counter() - start))
 
-    def _probe_network(self) -> None:
-        """Every rank, at one boundary: auto's network probe (collectives the hook issues)."""
+    def _network_budget_s(self) -> float:
+        """Rank 0: the network probe's budget, ``network_budget_s`` but at most about
+        :data:`NETWORK_STEPS` steps of the DDP start (on a fast link with short steps a
+        one-second probe costs more than what it could find)."""
+        return min(self.config.network_budget_s, NETWORK_STEPS * statistics.median(self._ddp_steps))
+
+    def _probe_network(self, budget_s: float) -> None:
+        """Every rank, at one boundary: auto's network probe (collectives the hook
+        issues), over sizes up to the model's gradient (no bucket is larger), within
+        ``budget_s`` (rank 0's, broadcast: every rank must probe the same sizes)."""
         started = time.perf_counter()
-        sizes = tuple(16 * 1024 * 4**i for i in range(6))  # 16 KiB .. 16 MiB
-        result = probe_network(sizes=sizes, budget_s=self.config.network_budget_s, reps=5,
+        sizes = probe_sizes(self._grad_bytes)
+        result = probe_network(sizes=sizes, budget_s=budget_s, reps=5,
                                min_reps=2, collectives=("allreduce", "allgather"))
         if self.rank == 0:
             self._network = result
@@ -575,12 +592,16 @@ class Controller:
         floor = statistics.median(self._compute["step_s"])
         reference = statistics.median(self._ddp_steps)
         if reference > (1 + HIDDEN_MARGIN) * floor:
+            # a search will run: start its worker now, so that its imports overlap the
+            # network probe (not at wrap: they would compete with the reference steps
+            # for the cores, and slow a job that turns out to have nothing to gain)
+            try:
+                self._worker = SearchWorker()
+            except OSError as exc:
+                logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
             return None
         self._profiler.close()
         self._profiler = None
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
         return (f"plain DDP's step ({reference * 1e3:.1f} ms) is within "
                 f"{HIDDEN_MARGIN:.0%} of its compute alone ({floor * 1e3:.1f} ms): "
                 f"communication is hidden, nothing to tune")
