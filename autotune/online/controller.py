@@ -7,7 +7,8 @@ between steps, at the start of a forward pass: never inside a backward pass.
   collectives, from which an online fit of the link follows: the ratio of measured to
   predicted collective time over the check window (large transfers only) rescales the
   profile's link rate. When the current policy moves too little data to tell (PowerSGD
-  on a fast link sends kilobytes), every rank joins a small probe allreduce at the check.
+  on a fast link sends kilobytes), every rank joins a small probe allreduce at a check,
+  no more often than keeps the probes within :data:`PROBE_SHARE` of the job's time.
 * **Drift**: at each check (every ``check_every`` steps) two ratios are compared with
   their values when the current policy started: measured / predicted step time, and the
   fitted link rate. A deviation above ``threshold`` for ``patience`` consecutive checks
@@ -87,6 +88,7 @@ _HEADER = 6  # payload bytes, switch step, revision, action, steps to the next c
 _PROBE, _NETWORK = 1, 2  # actions: a small probe allreduce; the auto mode's network probe
 PROBE_BYTES = 512 * 1024  # above tbf's burst on an emulated link, cheap on a real one
 LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwidth
+PROBE_SHARE = 0.02  # of the job's time, at most, spent in drift probes
 # A window tells the link's rate only when its transfers were expected to take this
 # long: below it, rank skew and scheduling noise on a busy host swamp the link.
 MIN_SIGNAL_S = 0.01
@@ -200,6 +202,7 @@ class Controller:
         self._strikes = 0
         self._scale = 1.0  # fitted link: measured / predicted collective time
         self._probe_next = False
+        self._last_probe = (-math.inf, 0.0)  # rank 0: when the last probe ended, its seconds
         self._search: threading.Thread | None = None
         self._proposal: tuple[Policy, dict[str, Any]] | None = None
         self._top: list[Policy] = []
@@ -296,8 +299,16 @@ class Controller:
         start = time.perf_counter()
         dist.all_reduce(buf, group=self.group)
         if self.rank == 0:
+            end = time.perf_counter()
+            self._last_probe = (end, end - start)
             with self._lock:
-                self._window.probes.append((PROBE_BYTES, time.perf_counter() - start))
+                self._window.probes.append((PROBE_BYTES, end - start))
+
+    def _probe_due(self) -> bool:
+        """Rank 0: whether a probe now keeps the probes within :data:`PROBE_SHARE` of
+        the job's time (a probe makes its step that much slower)."""
+        ended, seconds = self._last_probe
+        return time.perf_counter() - ended >= seconds / PROBE_SHARE
 
     def _network_budget_s(self) -> float:
         """Rank 0: the network probe's budget, ``network_budget_s`` but at most about
@@ -417,8 +428,9 @@ class Controller:
             window, self._window = self._window, _Window()
             proposal, self._proposal = self._proposal, None
         scale, own, _ = self._link_scale(window)
-        # probe at the next check when the policy itself moves too little data
-        self._probe_next = own < LARGE_BYTES
+        # probe at a later check when the policy itself moves too little data, as
+        # often as PROBE_SHARE allows
+        self._probe_next = own < LARGE_BYTES and self._probe_due()
         if scale is not None:
             self._scale = scale
         if proposal is not None:
