@@ -347,21 +347,25 @@ def _clearly_slower(times: dict[str, list[float]], separate: Sequence[str]) -> s
     step of the fastest set-up of ``separate``: no CPU-speed drift explains that, so
     they need not be measured again (at 100 Mbit plain DDP's step can be 30 times a
     compressed one's, and three rounds of it would spend the whole budget)."""
-    named = {n: t for n, t in times.items() if n in separate}
-    if not named:
+    best = _fastest(times, separate)
+    if best is None:
         return set()
-    best = min(named, key=lambda n: statistics.median(named[n]))
-    return {n for n, t in times.items() if min(t) > CLEARLY_SLOWER * max(named[best])}
+    return {n for n, t in times.items() if min(t) > CLEARLY_SLOWER * max(times[best])}
 
 
 def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:
     """The set-ups of ``separate`` not yet shown slower than the fastest of them."""
-    named = {n: t for n, t in times.items() if n in separate}
-    if not named:
+    best = _fastest(times, separate)
+    if best is None:
         return set()
-    best = min(named, key=lambda n: statistics.median(named[n]))
-    return {n for n, t in named.items()
-            if n == best or ratio_interval(t, named[best])[0] <= 1.0}
+    return {n for n, t in times.items()
+            if n in separate and (n == best or ratio_interval(t, times[best])[0] <= 1.0)}
+
+
+def _fastest(times: dict[str, list[float]], separate: Sequence[str]) -> str | None:
+    """The set-up of ``separate`` with the lowest median (None: none measured)."""
+    named = [n for n in times if n in separate]
+    return min(named, key=lambda n: statistics.median(times[n])) if named else None
 
 
 def _totals(runner: _Runner) -> tuple[dict[str, float], int] | None:

@@ -31,10 +31,11 @@ between steps, at the start of a forward pass: never inside a backward pass.
   more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
   copies of the live gradients); if DDP's step is then within ``HIDDEN_MARGIN`` of its
   compute floor it settles on DDP at once. Otherwise every rank joins a short network
-  probe at one boundary (at most :data:`NETWORK_STEPS` DDP steps long); a search worker process on rank 0 (:mod:`autotune.online.worker`, at the
-  lowest CPU priority, so training keeps its GIL and cores) probes the codecs on the
-  copied gradients, builds a :class:`~autotune.probes.profile.Profile`, fits the cost
-  model and runs the search; then the best candidates and the presets' equivalents are tried on live
+  probe at one boundary (at most :data:`NETWORK_STEPS` DDP steps long); a search
+  worker process on rank 0 (:mod:`autotune.online.worker`, at the lowest CPU priority,
+  so training keeps its GIL and cores) probes the codecs on the copied gradients,
+  builds a :class:`~autotune.probes.profile.Profile`, fits the cost model and runs the
+  search; then the best candidates and the presets' equivalents are tried on live
   steps (:class:`~autotune.online.explore.Exploration`: A B A C ..., a few steps
   each), the measured best is switched to on every rank at once, saved, and drift
   watching begins; a drift re-runs the search and the trials. During exploration the
@@ -83,8 +84,8 @@ __all__ = ["Controller"]
 logger = logging.getLogger(__name__)
 
 # Header of the control broadcast: [policy bytes, switch step, revision, action, steps to
-# the next check]
-_HEADER = 6  # payload bytes, switch step, revision, action, steps to the next check, argument
+# the next check, the action's argument (the network probe's budget in microseconds)]
+_HEADER = 6
 _PROBE, _NETWORK = 1, 2  # actions: a small probe allreduce; the auto mode's network probe
 PROBE_BYTES = 512 * 1024  # above tbf's burst on an emulated link, cheap on a real one
 LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwidth
