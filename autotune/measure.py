@@ -36,9 +36,12 @@ __all__ = ["Setup", "bench_setups", "rank_measure", "run_bench", "summarize"]
 # What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
 # communication hooks, the compute-only floor.
 KINDS = ("ddp", "policy", "hook", "floor")
-# a set-up whose fastest step is this many times the fastest set-up's slowest leaves
-# after its first round (this machine's CPU speed drifts by up to 1.5x)
+# a set-up whose fastest step is this many times the fastest set-up's slowest, and at
+# least CLEAR_GAP_S longer, leaves after its first round (this machine's CPU speed
+# drifts by up to 1.5x; a single millisecond step can spike 2x, and keeping a set-up of
+# such steps costs nothing)
 CLEARLY_SLOWER = 2.0
+CLEAR_GAP_S = 0.05
 HOOKS = tuple(dict.fromkeys(p.hook for p in PRESETS if p.hook is not None))  # PyTorch's, by preset
 # What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
 Wrap = Callable[..., torch.nn.Module]
@@ -344,13 +347,15 @@ def run_bench(
 
 def _clearly_slower(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:
     """The set-ups whose fastest step took over :data:`CLEARLY_SLOWER` times the slowest
-    step of the fastest set-up of ``separate``: no CPU-speed drift explains that, so
-    they need not be measured again (at 100 Mbit plain DDP's step can be 30 times a
+    step of the fastest set-up of ``separate``, and :data:`CLEAR_GAP_S` more: no
+    CPU-speed drift explains that, so they need not be measured again (at 100 Mbit plain DDP's step can be 30 times a
     compressed one's, and three rounds of it would spend the whole budget)."""
     best = _fastest(times, separate)
     if best is None:
         return set()
-    return {n for n, t in times.items() if min(t) > CLEARLY_SLOWER * max(times[best])}
+    slowest = max(times[best])
+    return {n for n, t in times.items()
+            if min(t) > CLEARLY_SLOWER * slowest and min(t) - slowest >= CLEAR_GAP_S}
 
 
 def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:
