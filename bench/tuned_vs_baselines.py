@@ -13,10 +13,14 @@ wall time, and the cost model's accuracy twice: as verification reports it (on t
 profiled link, where its calibration was measured) and held out: predicted from the
 ``--fit-link`` cell's profile for the other shaped links (a what-if of their rate) and
 compared with what was measured there (error of the predicted ratio to DDP, Kendall's tau
-among the baselines). Writes JSON and prints a table.
+among the baselines). The fitted profile is the one ``autotune tune`` stores: the probes'
+calibration with verification's measurements learned. Every cell's profile is saved beside
+the JSON, so ``--show`` can recompute the held-out accuracy without measuring again.
+Writes JSON and prints a table.
 
     python bench/tuned_vs_baselines.py [--links unshaped,4gbit,1gbit,300mbit,100mbit]
         [--workloads cnn,transformer,dlrm] [--verify 4] [--fit-link 1gbit]
+    python bench/tuned_vs_baselines.py --show bench/results/tuned_vs_baselines.json
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +45,11 @@ from autotune.models.cost_model import CostModel
 from autotune.models.simulator import WhatIf
 from autotune.policies import Policy
 from autotune.presets import PRESETS
+from autotune.probes.profile import load_profile
 from autotune.probes.run import profile_job
 from autotune.search.defaults import candidate_pool
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
-from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, verify_result
+from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, learned, verify_result
 
 BUCKET_CAPS_MB = (1.0, 5.0, 100.0)  # DDP's bucket size alone, beside its 25 MB default
 STOCK = [p for p in PRESETS if p.stock_setup("gloo") is not None]
@@ -90,11 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results/tuned_vs_baselines.json"))
+    parser.add_argument("--show", type=Path, metavar="JSON",
+                        help="recompute the held-out accuracy from a run's saved profiles and print its table")
     args = parser.parse_args(argv)
     console = Console(width=240)
+    if args.show is not None:
+        data = json.loads(args.show.read_text())
+        fit_link = data["args"]["fit_link"]
+        add_held_out(data["cells"], fit_link, args.show)
+        report(console, data["cells"], data["args"]["verify"])
+        return 0
     started = time.time()
     cells: list[dict[str, Any]] = []
-    fit_profiles: dict[str, Any] = {}
 
     def save() -> None:
         save_cells("tuned_vs_baselines", args, cells, started)
@@ -110,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.verify:
                     policy, verified = verify_result(result, args.verify, workload, where,
                                                      budget_s=args.verify_budget)
+                    # what `autotune tune` stores: the calibration with verification learned
+                    profile = replace(profile, calibration=learned(profile.calibration, verified))
                 t1 = time.perf_counter()
-                if link == args.fit_link:
-                    fit_profiles[workload] = profile
+                profile.save(_profile_path(args.out, link, workload))
                 setups = SETUPS + [{"name": "tuned", "kind": "policy", "policy": policy.to_dict()},
                                    {"name": "floor", "kind": "floor"}]
                 measured = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
@@ -144,12 +159,28 @@ def main(argv: list[str] | None = None) -> int:
                               f"best baseline {best} {med[best] * 1e3:.0f} ms, ddp {med['ddp'] * 1e3:.0f} ms, "
                               f"floor {med['floor'] * 1e3:.0f} ms; profile+tune+verify {t1 - t0:.0f} s")
                 save()
-    for c in cells:  # the cost model, fitted on one link's profile, for the others
-        fit = fit_profiles.get(c["workload"])
-        if fit is not None and c["link"] not in ("unshaped", args.fit_link):
-            c["model_accuracy_held_out"] = held_out(fit, c["link"], c["medians_s"])
+    add_held_out(cells, args.fit_link, args.out)
     save()
+    report(console, cells, args.verify)
+    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.0f} min)")
+    return 0
 
+
+def _profile_path(out: Path, link: str, workload: str) -> Path:
+    return out.with_name(f"{out.stem}_{link}_{workload}.profile.json")
+
+
+def add_held_out(cells: list[dict[str, Any]], fit_link: str, out: Path) -> None:
+    """The cost model, fitted on ``fit_link``'s saved profile of each workload, for the
+    other shaped links' cells."""
+    for c in cells:
+        path = _profile_path(out, fit_link, c["workload"])
+        if c["link"] not in ("unshaped", fit_link) and path.exists():
+            c["model_accuracy_held_out"] = held_out(load_profile(path), c["link"], c["medians_s"])
+
+
+def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
+    """Print the table of ``cells`` and the targets' summary line."""
     table = Table(title="measured median step time (ms), 2 ranks, interleaved")
     cols = ["link", "workload", "ddp", "best bucket", "fp16", "psgd1", "psgd4", "tuned", "floor",
             "tuned/best", "tuned/best in budget", "tuned/worst-case", "ddp/tuned", "chosen", "error",
@@ -180,15 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     in_budget = [c["tuned_vs_best_within_budget"] for c in cells]
     fast = [c["tuned_vs_ddp"] for c in cells if c["link"] in ("unshaped", "4gbit")]
     held = [c["model_accuracy_held_out"]["median_ratio_error"] for c in cells if c.get("model_accuracy_held_out")]
-    console.print(f"error budget {DEFAULT_MAX_ERROR} (the default); verify K={args.verify}; baselines' "
+    console.print(f"error budget {DEFAULT_MAX_ERROR} (the default); verify K={verify}; baselines' "
                   f"errors in the JSON (baseline_errors)")
     console.print(f"tuned/best within budget: median {statistics.median(in_budget):.3f} (target <= 1.00); "
                   f"worst tuned/any baseline {max(max(c['tuned_vs_each'].values()) for c in cells):.3f} "
                   f"(target <= 1.03 unless that baseline is over budget and loses accuracy)"
                   + (f"; tuned/ddp on unshaped and 4gbit at most {max(fast):.3f} (target <= 1.02)" if fast else "")
                   + (f"; held-out median ratio error {statistics.median(held):.1%} (target <= 5%)" if held else ""))
-    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.0f} min)")
-    return 0
 
 
 if __name__ == "__main__":
