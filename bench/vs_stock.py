@@ -8,7 +8,10 @@ beside its fp16 hook: the same bytes and steps in another dtype); PyTorch's ``po
 the same ranks (one bucket holding the whole model: on gloo the stock hook deadlocks or
 aborts with two or more). Each pair's ratio is ours/stock of the median step times (the
 slowest rank's); its spread is the 10th-90th percentile of the per-block ratios (the
-median of our block over the median of the stock block that ran beside it). Also
+median of our block over the median of the stock block that ran beside it), and its
+95% interval a bootstrap of the median of those paired block ratios (pairing cancels
+the CPU-speed drift between rounds). A pair is ``faster`` or ``slower`` when the interval
+lies on one side of 1, else ``tie``. Also
 records, per configuration, where rank 0's communication time goes (autotune's
 per-bucket breakdown; PyTorch's hooks: in the hook / after it).
 
@@ -18,17 +21,20 @@ bench/results/vs_stock.json) and prints a table.
 
     python bench/vs_stock.py [--workloads cnn,transformer,dlrm] [--links unshaped,1gbit,100mbit]
                              [--rounds 8] [--block 2]
+    python bench/vs_stock.py --show bench/results/vs_stock.json   # a saved run's tables
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _links import save_cells, two_ranks  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
@@ -71,11 +77,25 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _median_interval(values: list[float], level: float = 0.95, resamples: int = 10000) -> list[float]:
+    """Bootstrap (percentile) interval of the median of ``values``."""
+    x = np.asarray(values, dtype=float)
+    medians = np.median(x[np.random.default_rng(0).integers(0, x.size, (resamples, x.size))], axis=1)
+    tail = (1 - level) / 2 * 100
+    return [float(v) for v in np.percentile(medians, [tail, 100 - tail])]
+
+
+def _verdict(interval: list[float]) -> str:
+    return "faster" if interval[1] < 1.0 else "slower" if interval[0] > 1.0 else "tie"
+
+
 def _pair_stats(ours: dict[str, Any], stock: dict[str, Any], block: int) -> dict[str, Any]:
     a, b = ours["step_s"], stock["step_s"]
     blocks = [statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
               for i in range(0, min(len(a), len(b)), block)]
+    interval = _median_interval(blocks)
     return {
+        "interval": interval, "verdict": _verdict(interval),
         "ours_s": statistics.median(a), "stock_s": statistics.median(b),
         "ratio": statistics.median(a) / statistics.median(b),
         "block_ratios": blocks,
@@ -93,8 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=2, help="consecutive steps per block")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     parser.add_argument("--out", type=Path, default=Path("bench/results/vs_stock.json"))
+    parser.add_argument("--show", type=Path, metavar="JSON", help="print a saved run's tables")
     args = parser.parse_args(argv)
     console = Console(width=200)
+    if args.show is not None:
+        cells = json.loads(args.show.read_text())["cells"]
+        block = json.loads(args.show.read_text())["args"]["block"]
+        for c in cells:  # recomputed, so that runs saved before the interval show it
+            by_name = {r["name"]: r for r in c["results"]}
+            c["pairs"] = {pair: _pair_stats(by_name[f"ours:{pair}"], by_name[f"stock:{pair}"], block)
+                          for pair in PAIRS}
+        _report(console, cells)
+        return 0
     started = time.time()
     cells: list[dict[str, Any]] = []
 
@@ -118,9 +148,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{p} {s['ratio']:.3f}" for p, s in pairs.items()) + f" ({cells[-1]['wall_s']:.0f} s)")
                 save()
     save()
+    _report(console, cells)
+    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
+    return 0
 
+
+def _report(console: Console, cells: list[dict[str, Any]]) -> None:
+    """Print the ratio table, the breakdown table and the targets."""
     table = Table(title="ours / stock, same method, same buckets, interleaved (median step ms; "
-                        "ratio [10th-90th percentile of per-block ratios])")
+                        "ratio [95% interval of the paired block ratios' median])")
     table.add_column("link")
     table.add_column("workload")
     for pair in PAIRS:
@@ -128,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in cells:
         table.add_row(c["link"], c["workload"], *(
             f"{s['ours_s'] * 1e3:.0f}/{s['stock_s'] * 1e3:.0f} {s['ratio']:.3f} "
-            f"[{s['spread'][0]:.2f}-{s['spread'][1]:.2f}]" for s in c["pairs"].values()))
+            f"[{s['interval'][0]:.2f}-{s['interval'][1]:.2f}] {s['verdict']}" for s in c["pairs"].values()))
     console.print(table)
 
     phases = [p for p in PHASES if any(p in r.get("breakdown", {}).get("per_step_s", {})
@@ -143,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             bd.add_row(c["link"], c["workload"], r["name"], f"{r['step_s_median'] * 1e3:.0f}",
                        *(f"{per[p] * 1e3:.1f}" if p in per else "" for p in (*phases, "in_hook", "after_hook")))
     console.print(bd)
-    console.print("targets: ours/stock <= 1.00 in every cell; none/ddp <= 1.01")
-    console.print(f"wrote {args.out} ({(time.time() - started) / 60:.1f} min)")
-    return 0
+    verdicts = [s["verdict"] for c in cells for s in c["pairs"].values()]
+    console.print("targets: ours/stock <= 1.00 in every cell; none/ddp <= 1.01. Pairs: "
+                  + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "tie", "slower")))
 
 
 if __name__ == "__main__":
