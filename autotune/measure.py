@@ -59,6 +59,8 @@ class Setup:
     rank: int = 1  # PowerSGD's matrix approximation rank, for hook "powersgd"
     # For kind "policy": wrap(online=True, **online); measured by autotune.online.rank_measure
     online: dict[str, Any] | None = None
+    # For kind "policy": wrap's native (None: its default, native for a plain policy)
+    native: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -171,8 +173,10 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
         model, note, timer = _stock_hook(setup, module)
     else:
         policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
-        online = {"online": True, **setup.online} if setup.online else {}
-        model = (wrap or runtime_wrap)(module, policy, **online)
+        options: dict[str, Any] = {"online": True, **setup.online} if setup.online else {}
+        if setup.native is not None:
+            options["native"] = setup.native
+        model = (wrap or runtime_wrap)(module, policy, **options)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     return _Runner(setup, model, module, optimizer, note=note, timer=timer)
 
@@ -296,19 +300,21 @@ def rank_measure(
         if breakdown is not None:
             entry["breakdown"] = breakdown
         state = getattr(runner.model, "comm_state", None)
+        native = state is not None and state.native  # a plain policy as DDP's own allreduce
         if state is not None:
+            entry["policy_id"] = state.policy.id
+        if state is not None and not native:
             by_comp: dict[str, int] = {}
             for rec in state.last_step_records():
                 for label, nbytes in rec.bytes_by_compressor.items():
                     by_comp[label] = by_comp.get(label, 0) + nbytes
             entry["bytes_by_compressor"] = by_comp
-            entry["policy_id"] = state.policy.id
-        elif runner.setup.kind == "ddp" or runner.setup.hook == "fp16":
+        elif native or runner.setup.kind == "ddp" or runner.setup.hook == "fp16":
             # DDP and the fp16 hook send every gradient element (the hook as 2 bytes)
             nbytes = sum(p.numel() * p.element_size() for p in runner.module.parameters()
                          if p.requires_grad)
             entry["bytes_by_compressor"] = (
-                {"none": nbytes} if runner.setup.kind == "ddp" else {"fp16": nbytes // 2}
+                {"fp16": nbytes // 2} if runner.setup.hook == "fp16" else {"none": nbytes}
             )
         results.append(entry)
     return {"world_size": dist.get_world_size(), "workload": work.name, "results": results,
@@ -375,9 +381,9 @@ def _fastest(times: dict[str, list[float]], separate: Sequence[str]) -> str | No
 
 def _totals(runner: _Runner) -> tuple[dict[str, float], int] | None:
     """Seconds by phase over all buckets so far, and the bucket count; None if the
-    set-up has no timed hook (plain DDP, the floor)."""
+    set-up has no timed hook (plain DDP, a plain policy run natively, the floor)."""
     state = getattr(runner.model, "comm_state", None)
-    if state is not None:
+    if state is not None and not state.native:
         return dict(state.breakdown_totals), state.breakdown_buckets
     if runner.timer is not None:
         return dict(runner.timer.totals), runner.timer.buckets

@@ -1,7 +1,10 @@
 """Benchmark: is autotune's path for a method as fast as PyTorch's own hook for it?
 
 Same method, same buckets, same run. For each workload and link, one job trains, in
-interleaved blocks (A B A B ...): plain DDP and our policy ``none`` (25 MB buckets);
+interleaved blocks (A B A B ...): plain DDP and our policy ``none`` (25 MB buckets) through
+autotune's hook (``native=False``: by default ``wrap`` runs a plain policy without the hook,
+as DDP's own allreduce, which is DDP by construction; the hook's ``none`` path is what the
+uncompressed buckets of a mixed policy take);
 PyTorch's ``fp16_compress_hook`` and ``bf16_compress_hook`` and our ``fp16``/``bf16``
 (25 MB buckets; on gloo, where PyTorch's bf16 hook refuses to run, our bf16 is set
 beside its fp16 hook: the same bytes and steps in another dtype); PyTorch's ``powerSGD_hook`` at rank 1 and 4 and our ``powersgd`` at
@@ -64,7 +67,8 @@ def _setups(workload: str) -> list[dict[str, Any]]:
     for pair, (spec, stock) in PAIRS.items():
         cap = whole_mb if pair in ONE_BUCKET else CAP_MB
         policy = {"version": 1, "bucket_cap_mb": cap, "default": spec}
-        setups.append({"name": f"ours:{pair}", "kind": "policy", "policy": policy})
+        # through our hook even for none (a plain policy otherwise runs natively, as DDP)
+        setups.append({"name": f"ours:{pair}", "kind": "policy", "policy": policy, "native": False})
         setups.append({"name": f"stock:{pair}", **stock, "bucket_cap_mb": cap})
     return setups
 

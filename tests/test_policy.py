@@ -423,3 +423,12 @@ def test_check_lists_at_most_five_unknown_names_and_counts_them() -> None:
     message = str(info.value)
     assert message.startswith("policy: layers: 8 name(s)")
     assert "'ghost4.weight' and 3 more" in message and "ghost5" not in message
+
+
+def test_is_plain_means_every_parameter_summed_exactly_and_flat() -> None:
+    """A plain policy needs no hook (wrap runs it as DDP's own allreduce)."""
+    assert Policy().is_plain
+    assert Policy.from_dict({"version": 1, "bucket_cap_mb": 5, "layers": {"a": {"compressor": "none"}}}).is_plain
+    assert not Policy.uniform("fp16").is_plain
+    assert not Policy.from_dict({"version": 1, "layers": {"a": {"compressor": "powersgd", "rank": 1}}}).is_plain
+    assert not Policy.from_dict({"version": 1, "topology": "hierarchical"}).is_plain

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autotune
 from autotune import Policy
-from autotune.errors import PolicyError
+from autotune.errors import AutotuneError, PolicyError
 
 pytestmark = pytest.mark.multirank  # every test here starts ranks
 
@@ -76,14 +76,16 @@ def _param_digest(model: nn.Module) -> str:
 
 
 # --------------------------------------------------------------------------- ranks
-def rank_grads_vs_ddp(compressor: str, steps: int = 4, accumulate: bool = False) -> list[dict]:
+def rank_grads_vs_ddp(compressor: str, steps: int = 4, accumulate: bool = False,
+                      native: bool | None = None) -> list[dict]:
     """Per step: do the gradients match plain DDP's within rtol 1e-5, the largest
     absolute difference, and the relative error over the whole model."""
     torch.manual_seed(0)
     ref_model = Net()
     model = copy.deepcopy(ref_model)
     ref = DDP(ref_model, bucket_cap_mb=0.05)
-    ours = autotune.wrap(model, Policy.uniform(compressor, bucket_cap_mb=0.05))
+    options = {} if native is None else {"native": native}
+    ours = autotune.wrap(model, Policy.uniform(compressor, bucket_cap_mb=0.05), **options)
     errors = []
     for step in range(steps):
         x, y = _batch(step)
@@ -233,9 +235,48 @@ def rank_unknown_parameter() -> str:
 
 
 # --------------------------------------------------------------------------- tests
-def test_policy_none_gives_plain_ddp_gradients(run_ranks) -> None:
-    for steps in run_ranks("test_runtime:rank_grads_vs_ddp", compressor="none"):
+@pytest.mark.parametrize("native", [None, False])
+def test_policy_none_gives_plain_ddp_gradients(run_ranks, native: bool | None) -> None:
+    """By default (native) and through the hook's direct path."""
+    for steps in run_ranks("test_runtime:rank_grads_vs_ddp", compressor="none", native=native):
         assert all(s["close"] for s in steps), steps
+
+
+def rank_native_plain_policy() -> dict[str, Any]:
+    """wrap() of a plain policy registers no hook unless asked; what it refuses."""
+    torch.manual_seed(0)
+    plain = autotune.wrap(Net(), None)
+    hooked = autotune.wrap(Net(), Policy.uniform("none"), native=False)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        opt.step()
+    refused = []
+    try:
+        plain.comm_state.set_policy(Policy.uniform("fp16"))
+    except AutotuneError as exc:
+        refused.append(str(exc))
+    for kwargs in ({"native": True}, {"native": True, "online": True}):
+        try:
+            autotune.wrap(Net(), Policy.uniform("fp16"), **kwargs)
+        except PolicyError as exc:
+            refused.append(str(exc))
+    return {"plain_hooks": len(plain._comm_hooks), "hooked_hooks": len(hooked._comm_hooks),
+            "records": len(plain.comm_state.last_step_records()), "step": plain.comm_state.step,
+            "native": plain.comm_state.native, "refused": refused}
+
+
+def test_a_plain_policy_runs_as_ddp_without_a_hook(run_ranks) -> None:
+    """Plain averaging needs no hook: DDP's own C++ allreduce is the fastest way to run
+    it, so wrap() registers none (the step still counts); it then refuses to switch to a
+    compressing policy, and native=True refuses a compressing policy or online revision."""
+    for r in run_ranks("test_runtime:rank_native_plain_policy"):
+        assert (r["plain_hooks"], r["hooked_hooks"], r["records"], r["step"], r["native"]) == (0, 1, 0, 3, True)
+        assert len(r["refused"]) == 3, r["refused"]
+        assert "native=False" in r["refused"][0]
+        assert "compresses" in r["refused"][1] and "needs it" in r["refused"][2]
 
 
 # Two roundings (before and after the sum) of a format with a 2**-11 (fp16) or 2**-8

@@ -114,6 +114,13 @@ class WhatIf:
     hosts: int | None = None  # hosts the ranks spread over (None: ranks per host as measured)
     intra_bandwidth_bps: float | None = None  # intra-host link rate (None: as measured)
 
+    @property
+    def same_machines(self) -> bool:
+        """Whether only the inter-host link differs from the measured cluster: the same
+        ranks on the same hosts and CPUs, whose own costs still hold."""
+        return (self.world_size is None and self.compute_speed == 1.0 and self.hosts is None
+                and self.intra_bandwidth_bps is None)
+
 
 @dataclass(frozen=True)
 class Layout:

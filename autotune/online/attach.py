@@ -65,17 +65,24 @@ def wrap(
             ``lead_steps``, ``log``, and with ``"auto"`` ``explore_steps``,
             ``trial_steps``, ``candidates``, ``profile_steps``, ``network_budget_s``,
             ``save``: see :class:`~autotune.online.OnlineConfig`),
-            ``compress_from_step``, ``guard``, and any ``DistributedDataParallel`` argument
-            (``device_ids``, ``find_unused_parameters``, ...).
+            ``compress_from_step``, ``guard``, ``native`` (without ``online`` or
+            ``"auto"``; default: whether the policy is plain averaging, which then runs as
+            DDP's own allreduce with no hook, see :class:`~autotune.runtime.AutotuneDDP`),
+            and any ``DistributedDataParallel`` argument (``device_ids``,
+            ``find_unused_parameters``, ...).
 
     Raises:
         PolicyError: the policy is malformed or names parameters the model lacks; an
             online knob without ``online=True`` or ``"auto"``; an auto knob without
-            ``"auto"``; ``online=True`` without a profile; ``"auto"`` with one.
+            ``"auto"``; ``online=True`` without a profile; ``"auto"`` with one;
+            ``native`` with ``online=True`` or ``"auto"`` (revising needs the hook).
         ProfileError: the profile is malformed or of another model.
         AutotuneError: a knob out of its range.
     """
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in ONLINE_KNOBS}
+    if (online or (isinstance(policy, str) and policy == AUTO)) and kwargs.pop("native", False):
+        raise PolicyError("native=True registers no hook, and revising the policy while "
+                          "training (online=True or \"auto\") needs it")
     if isinstance(policy, str) and policy == AUTO:
         return _wrap_auto(model, profile, options, kwargs)
     stray = sorted(set(options) & AUTO_KNOBS)
@@ -88,6 +95,7 @@ def wrap(
     if not online:
         if options:
             raise PolicyError(f"{', '.join(sorted(options))} apply only with online=True")
+        kwargs.setdefault("native", policy.is_plain)
         return AutotuneDDP(model, policy, **kwargs)
     if profile is None:
         raise PolicyError("online=True needs profile= (the profile the policy was tuned on, "

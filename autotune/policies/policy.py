@@ -267,6 +267,16 @@ class Policy:
         )
 
     @property
+    def is_plain(self) -> bool:
+        """Whether the policy is plain averaging: every parameter ``none``, flat. Such a
+        policy needs no hook: :func:`autotune.wrap` runs it as DDP's own allreduce."""
+        def exact_allreduce(spec: CompressorSpec) -> bool:  # the gradient itself is summed
+            method = REGISTRY.get(spec.name)
+            return method.elementwise and not method.lossy
+
+        return self.topology == "flat" and all(map(exact_allreduce, self.compressors()))
+
+    @property
     def id(self) -> str:
         """12 hex digits identifying how this policy communicates.
 

@@ -175,6 +175,7 @@ class AutotuneState:
         process_group: dist.ProcessGroup | None = None,
         compress_from_step: int = 2,
         guard: bool = True,
+        native: bool = False,
     ) -> None:
         if compress_from_step < 2:
             raise AutotuneError(
@@ -186,6 +187,9 @@ class AutotuneState:
         self.policy = policy
         self.compress_from_step = compress_from_step
         self.guard = guard  # fixed at construction: its process group is made here
+        # no hook registered (a plain policy run as DDP's own allreduce): steps are
+        # counted at each training forward, and the policy cannot change
+        self.native = native
 
         # internal state
         self.process_group = process_group
@@ -243,7 +247,15 @@ class AutotuneState:
         its next gradient, which then goes out under the new compressor, so no
         compensation is lost; its other per-parameter state (PowerSGD's warm-start Q,
         int8's counter) is dropped. Parameters whose compressor stays keep all state.
+
+        Raises:
+            AutotuneError: the model was wrapped natively (no hook) and ``policy`` is not
+                plain averaging.
         """
+        if self.native and not policy.is_plain:
+            raise AutotuneError("this model was wrapped as plain DDP without autotune's hook "
+                                "(native=True), so it cannot switch to a compressing policy; "
+                                "wrap it with native=False")
         for name in self._names.values():
             old = self.policy.spec_for(name).canonical()
             if old == policy.spec_for(name).canonical():
@@ -591,6 +603,8 @@ class AutotuneState:
     def forward_done(self) -> None:
         """Mark the end of a training forward pass: the first bucket's ``wait`` (the
         backward compute before it) is measured from here. Called by ``wrap``'s model."""
+        if self.native:  # no hook counts the backward passes
+            self.step += 1
         self._free = (self.step, time.perf_counter())
 
     def _finish(self, record: BucketRecord) -> None:

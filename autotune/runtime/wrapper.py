@@ -48,6 +48,9 @@ class AutotuneDDP(DistributedDataParallel):
         guard: agree before compressing each bucket whether a rank has a non-finite
             gradient in it or has joined, and average it by plain allreduce then (see
             :class:`~autotune.runtime.hook.AutotuneState`).
+        native: register no hook: DDP reduces with its own C++ allreduce, exactly as an
+            unwrapped DDP (only for a plain policy, :attr:`Policy.is_plain`; the policy
+            cannot change then, and ``comm_state`` records no buckets).
         **ddp_kwargs: any other ``DistributedDataParallel`` argument.
     """
 
@@ -58,15 +61,20 @@ class AutotuneDDP(DistributedDataParallel):
         *,
         compress_from_step: int = 2,
         guard: bool = True,
+        native: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         check_wrappable(module, policy, ddp_kwargs)
+        if native and not policy.is_plain:
+            raise PolicyError("native=True runs DDP's own allreduce, which only plain averaging "
+                              "(compressor none everywhere, flat) is; this policy compresses")
         super().__init__(module, bucket_cap_mb=policy.bucket_cap_mb, **ddp_kwargs)
         self.comm_state = AutotuneState(
             policy, self.module, self.process_group, compress_from_step=compress_from_step,
-            guard=guard,
+            guard=guard, native=native,
         )
-        self.register_comm_hook(self.comm_state, dispatch_hook)
+        if not native:
+            self.register_comm_hook(self.comm_state, dispatch_hook)
         # Called at the start of every training forward (see on_step_boundary).
         self._step_boundary: Callable[[], None] | None = None
         # What revises the policy while training (autotune.online attaches one), or None.
@@ -234,13 +242,19 @@ def wrap(
     """Wrap ``model`` for data-parallel training under ``policy``, without online revision
     (``autotune.wrap`` adds it: :func:`autotune.online.wrap`).
 
+    A plain policy (:attr:`Policy.is_plain`, e.g. None) runs natively by default: no hook,
+    DDP's own C++ allreduce, the same speed as an unwrapped DDP. Pass ``native=False`` to
+    run it through autotune's hook anyway (its per-bucket breakdown in ``comm_state``).
+
     Args:
         model: the model, already on its device; the process group must be initialised.
         policy: a :class:`Policy`, a path to policy JSON, or None for plain averaging.
-        **kwargs: ``compress_from_step``, ``guard``, and any ``DistributedDataParallel``
-            argument (``device_ids``, ``find_unused_parameters``, ...).
+        **kwargs: ``compress_from_step``, ``guard``, ``native``, and any
+            ``DistributedDataParallel`` argument (``device_ids``, ``find_unused_parameters``, ...).
 
     Raises:
         PolicyError: the policy is malformed or names parameters the model lacks.
     """
-    return AutotuneDDP(model, as_policy(policy), **kwargs)
+    policy = as_policy(policy)
+    kwargs.setdefault("native", policy.is_plain)
+    return AutotuneDDP(model, policy, **kwargs)

@@ -172,7 +172,10 @@ def verify_result(
     ours = {b.name: b for b in result.baselines}
     cands = {c.name: c for c in candidates(result, k)}
     source = cands.get(emitted_name) or ours[emitted_name]
-    if info[winner]["kind"] == "stock":
+    if info[winner]["kind"] == "stock" and source.policy.is_plain:
+        why += (f"; emitted: our {emitted_name} policy, plain averaging, which wrap() runs as "
+                f"DDP's own allreduce (no hook): {info[winner]['label']} itself")
+    elif info[winner]["kind"] == "stock":
         why += (f"; emitted: our {emitted_name} policy, the same method as "
                 f"{info[winner]['label']} through autotune's hook")
         ratio = report[emitted_name]["measured_step_s"] / report[winner]["measured_step_s"]
