@@ -102,7 +102,8 @@ def add_tune_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                         metavar="FRACTION",
                         help="write an exact set-up (error 0: plain DDP, rowsparse, a lossless "
                              "mix) measured within this fraction of a faster lossy one instead "
-                             f"(default: {DEFAULT_EXACT_MARGIN:g}; 0: the fastest always wins)")
+                             f"(default: {DEFAULT_EXACT_MARGIN:g}: the fastest within the error budget wins, "
+                             "ties going to the simpler)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage URL, e.g. sqlite:///study.db (default: in memory)")
     parser.add_argument("--study-name", default=None,

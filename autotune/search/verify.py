@@ -10,9 +10,9 @@ separates the fastest from the runner-up or the time budget ends
 (:func:`autotune.trials.decide`; a set-up shown slower than the fastest is dropped on
 the way, and only those still measured at the end decide, so that one dropped after a
 few noisy steps cannot tie its way back in). Only set-ups within the error budget may win; a tie
-goes to the simpler (plain DDP first, then the presets, then the candidates), and an
-exact set-up (error 0) measured within ``exact_margin`` (default 5%) of a faster lossy
-winner wins instead. When a preset wins, the emitted policy is our equivalent of it,
+goes to the simpler (plain DDP first, then the presets, then the candidates), and, if
+asked (``exact_margin``, default 0), an exact set-up (error 0) measured within that
+fraction of a faster lossy winner wins instead. When a preset wins, the emitted policy is our equivalent of it,
 and its meta says so.
 """
 
