@@ -389,6 +389,19 @@ def test_residual_learns_a_systematic_offset() -> None:
         assert model.predict(p).step_s == pytest.approx(measured, rel=0.05)
 
 
+def test_residual_holds_under_another_link_but_not_other_machines() -> None:
+    """What the CPUs add was learnt on these machines: it applies when only the link
+    changes, not when the ranks or their speed do."""
+    model = CostModel.fit(synthetic_profile("cnn"))
+    plain = CostModel.fit(synthetic_profile("cnn"))
+    model.fit_residual([(p, model.predict(p, WhatIf()).step_s * 1.2 + 0.01) for p in POLICIES])
+    policy = POLICIES[0]
+    slower = WhatIf(bandwidth_bps=1e8)
+    assert model.predict(policy, slower).step_s > plain.predict(policy, slower).step_s
+    for other in (WhatIf(world_size=8), WhatIf(compute_speed=2.0), WhatIf(hosts=1)):
+        assert model.predict(policy, other).step_s == plain.predict(policy, other).step_s
+
+
 # --------------------------------------------------------------------- trace
 def test_trace_is_chrome_trace_event_json() -> None:
     model = CostModel.fit(synthetic_profile("cnn"))

@@ -295,11 +295,14 @@ class CostModel:
     def predict(self, policy: Policy | None, what_if: WhatIf | None = None) -> StepEstimate:
         """Predicted step of ``policy`` (None: plain DDP as constructed by default).
 
-        The residual correction applies at the measured cluster (it was learnt there),
-        not to what-ifs that change it."""
+        The residual correction (what the machines' CPUs add: per-step, codec, per-collective
+        and per-bucket costs, learnt where they were measured) applies on the measured
+        machines, also under another link (:attr:`WhatIf.same_machines`; fitted on 1 Gbit
+        it halved the held-out ratio error at 4 Gbit and 300 Mbit, bench/tuned_vs_baselines.py),
+        not to what-ifs of other ranks, hosts or compute speed."""
         what_if = what_if or WhatIf()
         est = self._simulate(policy, what_if)
-        if self.residual is not None and what_if == WhatIf():
+        if self.residual is not None and what_if.same_machines:
             corrected = float(self.residual.predict(np.array([self._residual_row(est)]))[0])
             est = StepEstimate(**{**est.__dict__, "step_s": corrected})
         return est
