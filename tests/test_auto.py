@@ -138,7 +138,7 @@ def rank_rebucket(steps: int = 12) -> dict[str, Any]:
     """AutotuneDDP.set_bucket_cap between steps: the same training as plain DDP."""
     work = resolve_workload("cnn")
     reference = copy.deepcopy(work.model)
-    ddp = autotune.wrap(work.model, None)
+    ddp = autotune.wrap(work.model, None, native=False)  # the hook's records count buckets
     plain = DistributedDataParallel(reference)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (work.model, reference)]
     buckets = []

@@ -389,10 +389,13 @@ def _measured(profile: Profile, model: CostModel, configs: Mapping[str, Policy |
         if not cells:
             raise AutotuneError(f"the bench result has no cell for workload {workload!r}")
         for c in cells:
+            link = c.get("link", c.get("rate"))  # "rate" in results written before links had names
+            if link == "unshaped":  # loopback: no link rate to set a prediction at
+                continue
             extra: dict[str, Policy | None] = {}
             if isinstance(c.get("policy"), dict):
-                extra["tuned"] = Policy.from_dict(c["policy"], source=f"bench cell {c.get('rate')}")
-            runs.append((c.get("rate"), profile.world_size,
+                extra["tuned"] = Policy.from_dict(c["policy"], source=f"bench cell {link}")
+            runs.append((link, profile.world_size,
                          {k: float(v) for k, v in c.get("medians_s", {}).items()}, extra,
                          str(bench.get("benchmark", "bench"))))
     def rate_of(link: Any) -> float | None:
