@@ -26,9 +26,9 @@ Writes JSON and prints a table.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -95,7 +95,7 @@ def held_out(profile: Any, rate: str, medians: dict[str, float],
         return {"median_ratio_error": statistics.median(errors), "max_ratio_error": errors[-1],
                 "kendall_tau_baselines": float(tau)}
 
-    described = [n for n in DESCRIBED] + (["tuned"] if tuned is not None else [])
+    described = list(DESCRIBED) + (["tuned"] if tuned is not None else [])
     return {"predicted_s": predicted, **accuracy([s["name"] for s in SETUPS]),
             "described": {"set_ups": described, **accuracy(described)}}
 

@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from _links import save_cells, two_ranks  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
 
 from autotune.launch import launch
 from autotune.runtime.hook import PHASES
+from autotune.trials import ratio_interval
 from autotune.workloads import resolve_workload
 
 CAP_MB = 25.0  # DDP's default bucket size, and the one fp16/bf16 run with
@@ -81,14 +81,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _median_interval(values: list[float], level: float = 0.95, resamples: int = 10000) -> list[float]:
-    """Bootstrap (percentile) interval of the median of ``values``."""
-    x = np.asarray(values, dtype=float)
-    medians = np.median(x[np.random.default_rng(0).integers(0, x.size, (resamples, x.size))], axis=1)
-    tail = (1 - level) / 2 * 100
-    return [float(v) for v in np.percentile(medians, [tail, 100 - tail])]
-
-
 def _verdict(interval: list[float]) -> str:
     return "faster" if interval[1] < 1.0 else "slower" if interval[0] > 1.0 else "tie"
 
@@ -97,7 +89,8 @@ def _pair_stats(ours: dict[str, Any], stock: dict[str, Any], block: int) -> dict
     a, b = ours["step_s"], stock["step_s"]
     blocks = [statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
               for i in range(0, min(len(a), len(b)), block)]
-    interval = _median_interval(blocks)
+    # the median of the paired ratios, bootstrapped: ratio_interval over a constant 1
+    interval = list(ratio_interval(blocks, [1.0], resamples=10000))
     return {
         "interval": interval, "verdict": _verdict(interval),
         "ours_s": statistics.median(a), "stock_s": statistics.median(b),
@@ -121,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=200)
     if args.show is not None:
-        cells = json.loads(args.show.read_text())["cells"]
-        block = json.loads(args.show.read_text())["args"]["block"]
+        saved = json.loads(args.show.read_text())
+        cells, block = saved["cells"], saved["args"]["block"]
         for c in cells:  # recomputed, so that runs saved before the interval show it
             by_name = {r["name"]: r for r in c["results"]}
             c["pairs"] = {pair: _pair_stats(by_name[f"ours:{pair}"], by_name[f"stock:{pair}"], block)

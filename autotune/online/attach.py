@@ -20,6 +20,7 @@ from autotune.online.config import AUTO_KNOBS, OnlineConfig
 from autotune.policies import Policy
 from autotune.probes.profile import Profile, load_profile
 from autotune.runtime import AutotuneDDP
+from autotune.runtime import wrap as runtime_wrap
 from autotune.runtime.wrapper import as_policy, check_wrappable
 
 if TYPE_CHECKING:
@@ -95,8 +96,7 @@ def wrap(
     if not online:
         if options:
             raise PolicyError(f"{', '.join(sorted(options))} apply only with online=True")
-        kwargs.setdefault("native", policy.is_plain)
-        return AutotuneDDP(model, policy, **kwargs)
+        return runtime_wrap(model, policy, **kwargs)  # its default: a plain policy runs natively
     if profile is None:
         raise PolicyError("online=True needs profile= (the profile the policy was tuned on, "
                           "or any profile of this job): revisions are predicted from it")
