@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -68,8 +69,10 @@ def _train_until_settled(ddp: Any, work: Any, opt: torch.optim.Optimizer, others
 def _force_winner(prefer: str) -> None:
     """Make the trials' decision deterministic: the contender called ``prefer`` (else
     the last measured one) wins, whatever was measured; and explore even when plain
-    DDP's step measures within the hidden-communication margin of its compute."""
+    DDP's step measures within the hidden-communication margin of its compute, and
+    however much the search slows the steps beside it."""
     controller.HIDDEN_MARGIN = -1.0
+    controller.SEARCH_COST_STEPS = 10**9
 
     def decide(self: explore.Exploration) -> Any:
         from autotune.trials import Decision
@@ -132,6 +135,23 @@ def rank_hidden(save: str) -> dict[str, Any]:
     return {"events": [e["event"] for e in ddp.controller.events],
             "summary": ddp.controller.summary, "policy_id": ddp.policy.id,
             "worker_gone": ddp.controller._worker is None}
+
+
+def rank_abandon(save: str, log: str) -> dict[str, Any]:
+    """A search that costs more than it could win (forced: the rule's arithmetic is
+    tested alone): rank 0 kills its worker and every rank settles on plain DDP."""
+    controller.HIDDEN_MARGIN = -1.0
+    controller.SEARCH_COST_STEPS = 1
+    controller.Controller._search_costs_more = (  # type: ignore[method-assign]
+        lambda self: "forced: the search costs more" if self._search_steps else None)
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, "auto", save=save, log=log, **FAST)
+    opt = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    _train_until_settled(ddp, work, opt)
+    return {"events": [e["event"] for e in ddp.controller.events],
+            "summary": ddp.controller.summary, "policy_id": ddp.policy.id,
+            "phase": ddp.controller.phase, "worker_gone": ddp.controller._worker is None,
+            "digest": _digest(work.model)}
 
 
 def rank_rebucket(steps: int = 12) -> dict[str, Any]:
@@ -223,6 +243,33 @@ def test_hidden_communication_settles_on_plain_ddp_without_a_search(run_ranks, t
     assert "communication is hidden" in a["summary"]["why"] and a["worker_gone"]
     saved = load_policy(save)
     assert saved.id == a["policy_id"] and "hidden" in saved.meta["verification"]["why"]
+
+
+def test_a_search_costing_more_than_it_can_win_is_abandoned_for_plain_ddp(
+        run_ranks, tmp_path: Path) -> None:
+    save = tmp_path / "p.json"
+    a, b = run_ranks("test_auto:rank_abandon", save=str(save), log=str(tmp_path / "a.jsonl"),
+                     timeout=300)
+    assert "network_probe" in a["events"] and "search_abandoned" in a["events"]
+    assert "searched" not in a["events"] and "switch" not in a["events"]
+    assert a["worker_gone"] and a["summary"]["why"] == "forced: the search costs more"
+    assert a["phase"] == b["phase"] == "settled" and a["digest"] == b["digest"]
+    saved = load_policy(save)
+    assert saved.id == a["policy_id"] and saved.is_plain
+
+
+def test_the_search_is_abandoned_only_when_it_slows_steps_more_than_ddp_exposes() -> None:
+    def costs(search_ms: list[float]) -> str | None:
+        state = SimpleNamespace(_search_steps=[t / 1e3 for t in search_ms],
+                                _ddp_steps=[0.020, 0.021, 0.019],  # DDP start: 20 ms
+                                _compute={"step_s": [0.016, 0.016]})  # floor 16: 4 exposed
+        return controller.Controller._search_costs_more(state)  # type: ignore[arg-type]
+
+    n = controller.SEARCH_COST_STEPS
+    assert costs([30.0] * (n - 1)) is None  # too few steps to judge
+    assert costs([23.9] * n) is None  # 3.9 ms slower < 4 ms exposed
+    why = costs([24.5] * n)
+    assert why is not None and "4.5 ms" in why and "4.0 ms" in why and "plain DDP stays" in why
 
 
 def test_set_bucket_cap_rebuilds_buckets_and_keeps_training_exact(run_ranks) -> None:

@@ -84,8 +84,9 @@ __all__ = ["Controller"]
 logger = logging.getLogger(__name__)
 
 # Header of the control broadcast: [policy bytes, switch step, revision, action, steps to
-# the next check, the action's argument (the network probe's budget in microseconds)]
-_HEADER = 6
+# the next check, the action's argument (the network probe's budget in microseconds),
+# 1 once the auto mode has settled]
+_HEADER = 7
 _PROBE, _NETWORK = 1, 2  # actions: a small probe allreduce; the auto mode's network probe
 PROBE_BYTES = 512 * 1024  # above tbf's burst on an emulated link, cheap on a real one
 LARGE_BYTES = 256 * 1024  # transfers smaller than this tell latency, not bandwidth
@@ -104,6 +105,12 @@ CODEC_SHARE = 0.4  # of budget_s: the auto mode's codec probe; the search gets t
 # the DDP start within this of its compute floor: communication is hidden, no search
 HIDDEN_MARGIN = 0.05
 NETWORK_STEPS = 20  # auto's network probe takes at most about this many DDP steps
+# while the auto search runs, rank 0 looks for its reply every this many steps (each
+# check is a broadcast that every rank waits on: on a fast link, a step's worth of it)
+SEARCH_POLL_STEPS = 4
+# steps of the running search after which rank 0 weighs what it costs the job (the
+# steps it slows) against the most any policy could win (the exposed communication)
+SEARCH_COST_STEPS = 12
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
 
@@ -214,6 +221,7 @@ class Controller:
         self._ddp_steps: list[float] = []  # the DDP start's reference step times
         self._explore_from: int | None = None  # first step of the current exploration
         self._explore_times: list[float] = []  # its steps' times, for the degraded count
+        self._search_steps: list[float] = []  # the steps run beside auto's search
         self._network: dict[str, Any] | None = None
         self._compute: dict[str, Any] | None = None  # the instrumented steps' compute section
         self._exploration: Exploration | None = None
@@ -270,13 +278,15 @@ class Controller:
         if self.rank == 0:
             payload, switch_step, action, every = self._decide()
             argument = round(self._network_budget_s() * 1e6) if action == _NETWORK else 0
-            header[:] = torch.tensor([len(payload), switch_step, self.revision, action, every, argument])
+            header[:] = torch.tensor([len(payload), switch_step, self.revision, action, every,
+                                      argument, self.phase == "settled"])
         header = header.to(self.device)
         dist.broadcast(header, src=self._src(), group=self.group)
-        size, switch_step, revision, action, every, argument = (int(x) for x in header.cpu().tolist())
+        size, switch_step, revision, action, every, argument, settled = (
+            int(x) for x in header.cpu().tolist())
         self._every = every
         self._next_check = self.step + every
-        if self.auto and self.rank != 0 and every != 1:
+        if self.auto and self.rank != 0 and settled:
             self.phase = "settled"  # rank 0 announced the end of its exploration
         if size:
             data = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -532,13 +542,14 @@ class Controller:
 
     # -------------------------------------------------------------------- auto
     def _explore(self) -> tuple[bytes, int, int, int]:
-        """Rank 0, every step until it settles: the auto mode's phases (see the module
+        """Rank 0, at every check until it settles (each step; every :data:`SEARCH_POLL_STEPS`
+        while the search runs): the auto mode's phases (see the module
         docstring). Returns what :meth:`_decide` does."""
         with self._lock:
             window, self._window = self._window, _Window()
         last = window.step_s[-1] if window.step_s else None  # the time of step - 1
         if self._explore_from is not None and last is not None and not self._ran_plain_ddp():
-            self._explore_times.append(last)
+            self._explore_times.extend(window.step_s)  # the steps since the last check
         if self.phase == "reference":
             if last is not None and self.step - 1 >= FIRST_TIMED_STEP:
                 self._ddp_steps.append(last)
@@ -558,11 +569,17 @@ class Controller:
         if self.phase == "network":
             self._start_auto_search()
             self.phase = "search"
-            return b"", 0, 0, 1
+            return b"", 0, 0, SEARCH_POLL_STEPS
         if self.phase == "search":
             reply = self._poll_search()
             if reply is None:
-                return b"", 0, 0, 1
+                self._search_steps.extend(window.step_s)
+                why = self._search_costs_more()
+                if why is None:
+                    return b"", 0, 0, SEARCH_POLL_STEPS
+                self._stop_search()
+                self._log({"event": "search_abandoned", "step": self.step, "why": why})
+                return self._conclude(None, None, why=why)
             if not self._adopt(reply):  # the search failed: keep plain DDP
                 return self._conclude(None, None)
             self.phase = "trial"
@@ -604,6 +621,8 @@ class Controller:
         self._compute = self._profiler.compute_section()
         floor = statistics.median(self._compute["step_s"])
         reference = statistics.median(self._ddp_steps)
+        self._log({"event": "instrumented", "step": self.step, "ddp_step_s": reference,
+                   "floor_s": floor})
         if reference > (1 + HIDDEN_MARGIN) * floor:
             # a search will run: start its worker now, so that its imports overlap the
             # network probe (not at wrap: they would compete with the reference steps
@@ -619,6 +638,32 @@ class Controller:
                 f"{HIDDEN_MARGIN:.0%} of its compute alone ({floor * 1e3:.1f} ms): "
                 f"communication is hidden, nothing to tune")
 
+    def _search_costs_more(self) -> str | None:
+        """Why to give the running search up (None: let it run), from the steps it has
+        run beside: when they are slower than the DDP start by more than the DDP start's
+        exposed communication (its step less its compute floor), the search costs each
+        step more than any policy it could find would win back per step. A search at the
+        lowest CPU priority is meant to use only what training leaves idle, but on a
+        CPU-bound job (a fast link) there is nothing idle, and on some machines (virtual
+        CPUs) even an idle-class process slows the training processes beside it."""
+        if len(self._search_steps) < SEARCH_COST_STEPS or self._compute is None:
+            return None
+        reference = statistics.median(self._ddp_steps)
+        floor = statistics.median(self._compute["step_s"])
+        slower = statistics.median(self._search_steps) - reference
+        if slower <= reference - floor:
+            return None
+        return (f"the search slowed the steps by {slower * 1e3:.1f} ms, more than plain DDP "
+                f"leaves to win ({(reference - floor) * 1e3:.1f} ms of its "
+                f"{reference * 1e3:.1f} ms step are exposed communication): plain DDP stays")
+
+    def _stop_search(self) -> None:
+        """End the search: its worker is killed; a search thread is left to finish, and
+        its reply is never read."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
     def _start_auto_search(self) -> None:
         """Hand the measurements (the instrumented steps' compute, the copied
         gradients, the network probe) to the search: on the worker process, or a
@@ -626,6 +671,7 @@ class Controller:
         assert self._profiler is not None and self._network is not None and self._compute is not None
         compute = self._compute
         grads = self._profiler.grads
+        self._search_steps = []
         self._profiler.close()
         self._profiler = None
         reference = statistics.median(self._ddp_steps)
