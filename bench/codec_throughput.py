@@ -17,8 +17,10 @@ Reported per configuration and size (medians over the repeats):
   allreduce, W copies of the payload for all_gather: the stand-in for the network);
 - ``codec_s`` = reduce - comm: encode + decode, the cost of the codec itself; its ratio
   to the memcpy is checked against the targets below;
-- for PowerSGD, ``matmul_s``: ``M @ Q`` and ``M^T @ P`` of the same shapes alone, and
-  their share of ``codec_s``.
+- for PowerSGD, ``matmul_s``: its four matrix products of the same shapes alone (``M Q``
+  and ``M^T P`` of the power iteration, the residual ``M - P Q^T`` written in place, and
+  the decoded ``P Q^T``), and their share of ``codec_s``; the rest is the error
+  feedback's addition, the orthogonalisation and the small collectives' packing.
 
 Targets (issue 12): fp16, bf16, int8, sign <= 3x memcpy; top-k <= 5x memcpy; PowerSGD
 dominated by its matmuls. One torch thread by default, as a training rank here has.
@@ -141,10 +143,15 @@ def measure(label: str, spec: CompressorSpec, size_mb: float, world: int, repeat
         q = torch.randn(COLS, rank, generator=gen).to(device)
         p = torch.randn(shape[0], rank, generator=gen).to(device)
 
-        def matmul() -> float:  # the two products of one power iteration, alone, in the
-            start = now()  # layout powersgd.py computes them: (Q^T M^T)^T and (P^T M)^T
-            q.t() @ grad.t()
+        scratch = grad.clone()  # the residual, rewritten in place as powersgd.py does
+        rebuilt = torch.empty_like(grad)
+
+        def matmul() -> float:  # its four BLAS calls, alone, as powersgd.py makes them:
+            start = now()  # P = (Q^T M^T)^T and Q = (P^T M)^T, the residual M - P Q^T
+            q.t() @ grad.t()  # in place, and the decoded P Q^T into the gradient
             p.t() @ grad
+            scratch.addmm_(p, q.t(), alpha=-1)
+            torch.matmul(p, q.t(), out=rebuilt)
             return now() - start
 
     for _ in range(2):  # untimed: builds the residual and Q, warms caches and allocator

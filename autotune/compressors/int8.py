@@ -58,6 +58,16 @@ class Int8(Compressor):
         # the encoder's scratch buffers, per device
         self._tables: dict[str, torch.Tensor] = {}
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[str, torch.Tensor] = {}  # the payload, per device
+
+    def _payload(self, size: int, device: torch.device) -> torch.Tensor:
+        """The payload buffer, kept between reductions (each ends before the next
+        starts: the all_gather returns a copy), grown as needed: on a CPU a fresh one of
+        a few MB maps new pages, whose faults cost more than the encoding."""
+        buf = self._buffers.get(str(device))
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[str(device)] = torch.empty(size, dtype=torch.int8, device=device)
+        return buf[:size]
 
     def _blocks(self, n: int) -> int:
         return math.ceil(n / self.config["block"])
@@ -102,7 +112,7 @@ class Int8(Compressor):
         sizes = [t.numel() for t in tensors]
         n_codes = sum(sizes)
         n_blocks = sum(self._blocks(n) for n in sizes)
-        payload = torch.empty(n_codes + 4 * n_blocks, dtype=torch.int8, device=device)
+        payload = self._payload(n_codes + 4 * n_blocks, device)
         scales = torch.empty(n_blocks, dtype=torch.float32, device=device)
         c_off = s_off = 0
         for t, name, n in zip(tensors, names, sizes):
@@ -110,6 +120,9 @@ class Int8(Compressor):
             self._encode(t, name, comm.rank, payload[c_off : c_off + n], scales[s_off : s_off + nb])
             c_off += n
             s_off += nb
+        # the codes were written as the low byte of level + 128: flipping the top bit
+        # makes them level, as int8 (one pass over bytes instead of one over int32s)
+        payload[:n_codes].view(torch.uint8).bitwise_xor_(0x80)
         payload[n_codes:] = scales.view(torch.int8)
         gathered = comm.all_gather(payload)  # (W, n_codes + 4 * blocks)
         # scaled once per block: the average is sum_w code_w * scale_w / (LEVELS * W)
@@ -136,7 +149,8 @@ class Int8(Compressor):
 
     def _encode(self, t: torch.Tensor, name: str, rank: int, codes: torch.Tensor,
                 scales: torch.Tensor) -> None:
-        """Quantise ``t`` into ``codes`` (int8, numel) and ``scales`` (fp32, blocks)."""
+        """Quantise ``t`` into ``codes`` (int8, numel: each the low byte of its level +
+        128, which :meth:`reduce` turns into the level) and ``scales`` (fp32, blocks)."""
         x = t.detach().reshape(-1)
         if x.dtype != torch.float32:
             x = x.float()
@@ -162,8 +176,8 @@ class Int8(Compressor):
             level = torch.addcmul(table[offset : offset + size].view(blocks, width), xb,
                                   LEVELS / scale.clamp_min(tiny).unsqueeze(1),
                                   out=scratch[0][:size].view(blocks, width))
-            whole = scratch[1][:size].copy_(level.view(-1)).sub_(128)
-            codes[start : start + size] = whole
+            whole = scratch[1][:size].copy_(level.view(-1))
+            codes[start : start + size] = whole  # its low byte: level + 128 (mod 256)
 
     def release(self, name: str) -> torch.Tensor | None:
         self.steps.pop(name, None)
