@@ -42,6 +42,9 @@ KINDS = ("ddp", "policy", "hook", "floor")
 # such steps costs nothing)
 CLEARLY_SLOWER = 2.0
 CLEAR_GAP_S = 0.05
+# PyTorch's PowerSGD hook averages by plain allreduce before this step (its minimum with
+# error feedback): its warm-up steps before it are not its own
+STOCK_POWERSGD_FROM = 2
 HOOKS = tuple(dict.fromkeys(p.hook for p in PRESETS if p.hook is not None))  # PyTorch's, by preset
 # What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
 Wrap = Callable[..., torch.nn.Module]
@@ -85,6 +88,12 @@ class _Runner:
     times: list[float] = field(default_factory=list)
     note: str = ""
     timer: _HookTimer | None = None  # stock hooks: their time per bucket
+
+    @property
+    def steady_from(self) -> int:
+        """The first step that runs as the set-up's later ones do: after DDP's bucket
+        rebuild (step 0), and for PyTorch's PowerSGD hook once it compresses."""
+        return STOCK_POWERSGD_FROM if self.setup.hook == "powersgd" else 1
 
 
 class _HookTimer:
@@ -140,7 +149,7 @@ def _stock_hook(
         caps = {"bucket_cap_mb": size_mb + 1.0}
         note = ("stock powerSGD_hook run with one bucket: on gloo it deadlocks or aborts with "
                 "two or more")
-    model = DistributedDataParallel(module, **caps)
+    model = DistributedDataParallel(module, init_sync=False, **caps)
     if setup.hook == "fp16":
         state, hook = None, default_hooks.fp16_compress_hook
     elif setup.hook == "bf16":
@@ -151,7 +160,8 @@ def _stock_hook(
         state, hook = None, default_hooks.bf16_compress_hook
     else:
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=setup.rank, start_powerSGD_iter=2,
+            process_group=None, matrix_approximation_rank=setup.rank,
+            start_powerSGD_iter=STOCK_POWERSGD_FROM,
             min_compression_rate=2, use_error_feedback=True, warm_start=True,
         )
         hook = powerSGD_hook.powerSGD_hook
@@ -168,17 +178,30 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
         caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
-        model = DistributedDataParallel(module, **caps)
+        model = DistributedDataParallel(module, init_sync=False, **caps)
     elif setup.kind == "hook":
         model, note, timer = _stock_hook(setup, module)
     else:
         policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
-        options: dict[str, Any] = {"online": True, **setup.online} if setup.online else {}
+        # compressing from step 0: the untimed warm-up steps then cost what the set-up's
+        # steps cost, not a plain DDP step each (the timed steps are the same)
+        options: dict[str, Any] = ({"online": True, **setup.online} if setup.online
+                                   else {"compress_from_step": 0})
+        options["init_sync"] = False
         if setup.native is not None:
             options["native"] = setup.native
         model = (wrap or runtime_wrap)(module, policy, **options)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     return _Runner(setup, model, module, optimizer, note=note, timer=timer)
+
+
+def _sync_parameters(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers to every rank, once: each set-up's DDP is then
+    built from the same copy without its own initial broadcast (``init_sync=False``),
+    which on a slow link costs seconds per set-up (a 37 MB model at 100 Mbit: 3 s)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 def _run_step(runner: _Runner, make_batch: Callable[[int], Any], loss_fn: Callable[..., Any]) -> float:
@@ -248,13 +271,11 @@ def rank_measure(
                             "them with autotune.online.rank_measure, which attaches the controller")
     set_rank_threads(threads)
     work = resolve_workload(workload)
+    _sync_parameters(work.model)
     runners = [_build(s, work.model, lr, wrap) for s in parsed]
-    for runner in runners:
-        for _ in range(warmup):
-            _run_step(runner, work.make_batch, work.loss_fn)
-    before = {id(r): _totals(r) for r in runners}
-    active = list(runners)
     slowest: dict[int, list[float]] = {id(r): [] for r in runners}  # the slowest rank's times
+    active = _warm_up(runners, warmup, work.make_batch, work.loss_fn, separate, slowest)
+    before = {id(r): _totals(r) for r in runners}
     floor_rounds = rounds if min_rounds is None else max(1, min(min_rounds, rounds))
     started = time.perf_counter()
     budget_from: float | None = None  # the budget counts once every set-up was measured
@@ -289,6 +310,7 @@ def rank_measure(
                                 len([r for r in active if r.setup.name in separate]) <= 1):
             break
     measure_s = time.perf_counter() - started
+    measured = {id(r) for r in runners if r.times}
     results = []
     for runner in runners:
         times = slowest[id(runner)]
@@ -296,6 +318,8 @@ def rank_measure(
                                  "step_s_median": statistics.median(times)}
         if runner.note:
             entry["note"] = runner.note
+        if id(runner) not in measured:
+            entry["warmup_only"] = True  # clearly slower in warm-up: its times are those
         breakdown = _breakdown(runner, before[id(runner)])
         if breakdown is not None:
             entry["breakdown"] = breakdown
@@ -349,6 +373,41 @@ def run_bench(
     return launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                   kwargs={"workload": workload, "setups": list(setups), "rounds": rounds,
                           "block": block, "warmup": warmup})[0]
+
+
+def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int], Any],
+             loss_fn: Callable[..., Any], separate: Sequence[str] | None,
+             slowest: dict[int, list[float]]) -> list[_Runner]:
+    """Run ``steps`` untimed steps of every set-up, round-robin; returns those to
+    measure. With ``separate``, a set-up :func:`_clearly_slower` than the fastest named
+    one in its steady warm-up steps (from :attr:`_Runner.steady_from`: the first carries
+    one-time costs, DDP's bucket rebuild follows it, and PyTorch's PowerSGD hook starts
+    compressing at its third) leaves at once, those steps (the slowest rank's) kept as
+    its times in ``slowest``: on a slow link plain DDP's three warm-up steps and first
+    block cost more than the whole separation budget, and its second step already shows
+    it 16 times slower."""
+    warming = list(runners)
+    warm: dict[int, list[float]] = {id(r): [] for r in runners}
+    for k in range(steps):
+        for runner in warming:
+            warm[id(runner)].append(_run_step(runner, make_batch, loss_fn))
+        if separate is None or k < 1 or len(warming) <= 1:
+            continue
+        latest = torch.tensor([warm[id(r)][-1] for r in warming], dtype=torch.float64)
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+        for runner, t in zip(warming, latest.tolist()):
+            if k >= runner.steady_from:
+                slowest[id(runner)].append(t)
+        keep = torch.ones(len(warming), dtype=torch.uint8)
+        if dist.get_rank() == 0:
+            steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
+            slower = _clearly_slower(steady, separate)
+            keep = torch.tensor([int(r.setup.name not in slower) for r in warming], dtype=torch.uint8)
+        dist.broadcast(keep, src=0)
+        warming = [r for r, k_ in zip(warming, keep.tolist()) if k_]
+    for runner in warming:  # measured from now on: their warm-up times are not kept
+        slowest[id(runner)].clear()
+    return warming
 
 
 def _clearly_slower(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:

@@ -279,6 +279,42 @@ def test_a_plain_policy_runs_as_ddp_without_a_hook(run_ranks) -> None:
         assert "compresses" in r["refused"][1] and "needs it" in r["refused"][2]
 
 
+def rank_compress_from(first: int) -> dict[str, Any]:
+    """Which steps' buckets went compressed, and the ranks' parameters after them."""
+    torch.manual_seed(0)
+    model = Net()
+    ddp = autotune.wrap(model, Policy.uniform("powersgd", rank=1, bucket_cap_mb=0.05),
+                        compress_from_step=first)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compressed = []
+    for step in range(4):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        compressed.append(all(r.compressed for r in ddp.comm_state.last_step_records()))
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    return {"compressed": compressed, "digest": digest.hexdigest()}
+
+
+@pytest.mark.multirank
+def test_compress_from_step_zero_compresses_before_ddps_rebuild(run_ranks) -> None:
+    """State is keyed by parameter name, so the steps before DDP's bucket rebuild may
+    compress too (measurement's warm-up does); by default they are DDP's own."""
+    a, b = run_ranks("test_runtime:rank_compress_from", first=0)
+    assert a["compressed"] == [True] * 4 and a["digest"] == b["digest"]
+    a, _ = run_ranks("test_runtime:rank_compress_from", first=2)
+    assert a["compressed"] == [False, False, True, True]
+
+
+def test_a_bad_compress_from_step_is_refused() -> None:
+    from autotune.runtime.hook import AutotuneState
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(AutotuneError, match="compress_from_step must be an int >= 0"):
+            AutotuneState(Policy.uniform("none"), Net(), compress_from_step=bad)  # type: ignore[arg-type]
+
+
 # Two roundings (before and after the sum) of a format with a 2**-11 (fp16) or 2**-8
 # (bf16) unit roundoff: elementwise within 2**-10 / 2**-7 of the largest gradient.
 @pytest.mark.parametrize("compressor,eps,rel", [("fp16", 2**-10, 1e-3), ("bf16", 2**-7, 1e-2)])

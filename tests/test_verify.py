@@ -41,6 +41,42 @@ def test_measurement_ends_at_its_budget(run_ranks) -> None:
     assert all(len(r["step_s"]) == 3 for r in result["results"])
 
 
+def rank_slow_warm_up(**kwargs: object) -> dict:
+    """rank_measure where the set-up called ``slow`` takes 0.3 s more per step (added
+    to its measured time, so the test costs nothing)."""
+    from autotune import measure
+
+    step = measure._run_step
+    measure._run_step = lambda r, mb, lf: step(r, mb, lf) + (0.3 if r.setup.name == "slow" else 0.0)
+    return measure.rank_measure(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.multirank
+def test_a_set_up_clearly_slower_in_warm_up_is_never_timed_beyond_it(run_ranks) -> None:
+    setups = [{"name": "slow", "kind": "ddp"},
+              {"name": "fast", "kind": "policy", "policy": {"version": 1, "default": {"compressor": "fp16"}}},
+              {"name": "ddp", "kind": "ddp"}]
+    result = run_ranks("test_verify:rank_slow_warm_up", workload="mlp", setups=setups, rounds=3,
+                       block=2, warmup=3, min_rounds=3, separate=["slow", "fast", "ddp"])[0]
+    by = {r["name"]: r for r in result["results"]}
+    # decided at the second warm-up step: one time kept, the slowest rank's, with the 0.3 s
+    assert by["slow"]["warmup_only"] and len(by["slow"]["step_s"]) == 1
+    assert by["slow"]["step_s"][0] >= 0.3
+    assert "warmup_only" not in by["fast"] and len(by["fast"]["step_s"]) == 6
+    assert "warmup_only" not in by["ddp"] and len(by["ddp"]["step_s"]) >= 2
+
+
+def test_a_stock_powersgd_set_up_is_judged_in_warm_up_only_once_it_compresses() -> None:
+    from autotune.measure import STOCK_POWERSGD_FROM, Setup, _Runner
+
+    def runner(**setup: object) -> _Runner:
+        return _Runner(Setup.from_dict({"name": "x", **setup}), None, None, None)  # type: ignore[arg-type]
+
+    assert runner(kind="hook", hook="powersgd", rank=1).steady_from == STOCK_POWERSGD_FROM == 2
+    assert runner(kind="hook", hook="fp16").steady_from == 1
+    assert runner(kind="ddp").steady_from == 1
+
+
 def test_only_a_set_up_slower_in_every_step_than_twice_the_fastest_leaves_before_min_rounds() -> None:
     from autotune.measure import _clearly_slower
 

@@ -44,7 +44,8 @@ class AutotuneDDP(DistributedDataParallel):
     Args:
         module: the model, as for DDP.
         policy: the policy to apply; its ``bucket_cap_mb`` sets DDP's bucket size.
-        compress_from_step: first step that may compress (>= 2).
+        compress_from_step: first step that may compress (>= 0; default 2: the first
+            two steps, before and at DDP's bucket rebuild, are plain DDP).
         guard: agree before compressing each bucket whether a rank has a non-finite
             gradient in it or has joined, and average it by plain allreduce then (see
             :class:`~autotune.runtime.hook.AutotuneState`).

@@ -139,6 +139,7 @@ def verify_result(
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
                               "separate": eligible})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
+    warm_only = {r["name"] for r in measured["results"] if r.get("warmup_only")}
     # Measurement drops a set-up once it is shown slower than the fastest (successive
     # elimination): one dropped early has few steps, hence a wide interval, and must not
     # tie its way back in; the survivors (the most steps) decide.
@@ -167,6 +168,8 @@ def verify_result(
         elif name in eligible and name not in survivors:  # dropped as slower on the way
             entry["interval_vs_fastest"] = list(ratio_interval(times[name], times[decision.fastest]))
             entry["dropped"] = True
+        if name in warm_only:  # clearly slower in its warm-up steps: never timed beyond them
+            entry["warmup_only"] = True
         report[name] = entry
     emitted_name = info[winner].get("equivalent", winner)
     ours = {b.name: b for b in result.baselines}
@@ -241,8 +244,11 @@ def learned(calibration: Calibration, report: dict[str, Any]) -> Calibration:
     """The profile's calibration section with verification's measurements of our own
     policies added (``source: "verify"``), so that the next fit of the cost model's
     residual learns from them; an older measurement of the same policy is replaced."""
+    # a set-up timed in its warm-up steps only (clearly slower) is left out: those steps
+    # may still carry one-time costs
     measured = {r["policy_id"]: r for r in report.values()
-                if isinstance(r, dict) and r.get("policy_id") and r.get("policy") is not None}
+                if isinstance(r, dict) and r.get("policy_id") and r.get("policy") is not None
+                and not r.get("warmup_only")}
     keep = [r for r in calibration.results if not (r.source == "verify" and r.policy_id in measured)]
     keep += [CalibrationRun(policy=r["policy"], step_s=r["measured_step_s"], source="verify",
                             policy_id=policy_id) for policy_id, r in measured.items()]
