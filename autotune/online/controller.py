@@ -110,7 +110,7 @@ NETWORK_STEPS = 20  # auto's network probe takes at most about this many DDP ste
 SEARCH_POLL_STEPS = 4
 # steps of the running search after which rank 0 weighs what it costs the job (the
 # steps it slows) against the most any policy could win (the exposed communication)
-SEARCH_COST_STEPS = 12
+SEARCH_COST_STEPS = 8
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
 
