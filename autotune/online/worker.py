@@ -4,9 +4,12 @@
 Why a process and not a thread: the search is Python-heavy (Optuna, the cost model),
 and a thread would share the GIL with training, whose steps take the GIL many times
 (autograd hooks, the communication hook and thread). A niced thread is worse still: the
-scheduler parks it while it holds the GIL and training waits on it. A niced process
-only takes the cores training leaves idle (while it waits on the network), and when
-training is CPU-bound it simply takes longer, leaving the steps as they were.
+scheduler parks it while it holds the GIL and training waits on it. An idle-class
+process is scheduled only on cores training leaves idle (while it waits on the network),
+but it is not free everywhere: on this project's 2-vCPU machine one slowed plain DDP's
+CPU-bound steps by 40%, so the controller measures the steps run beside the search and
+gives it up when they cost more than any policy could win
+(``Controller._search_costs_more``).
 
 Started by the controller when ``wrap(model, "auto")`` is created, so its imports
 overlap the first steps; it answers one request and exits. The exchange is JSON lines
