@@ -387,13 +387,11 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
     block cost more than the whole separation budget, and its second step already shows
     it 16 times slower."""
     warming = list(runners)
-    warm: dict[int, list[float]] = {id(r): [] for r in runners}
     for k in range(steps):
-        for runner in warming:
-            warm[id(runner)].append(_run_step(runner, make_batch, loss_fn))
+        step_s = [_run_step(runner, make_batch, loss_fn) for runner in warming]
         if separate is None or k < 1 or len(warming) <= 1:
             continue
-        latest = torch.tensor([warm[id(r)][-1] for r in warming], dtype=torch.float64)
+        latest = torch.tensor(step_s, dtype=torch.float64)
         dist.all_reduce(latest, op=dist.ReduceOp.MAX)
         for runner, t in zip(warming, latest.tolist()):
             if k >= runner.steady_from:

@@ -42,10 +42,8 @@ class HalfPrecision(AllreduceCompressor):
     def encode(self, flat: torch.Tensor, world_size: int) -> torch.Tensor:
         if flat.device.type != "cpu":
             return flat.to(self.dtype).div_(world_size)
-        free = self._free.pop(flat.numel(), [])
+        free = self._free.get(flat.numel())  # decode() keeps the sizes in recent order
         payload = free.pop() if free else torch.empty(flat.numel(), dtype=self.dtype)
-        if free:
-            self._free[flat.numel()] = free
         payload.copy_(flat.view(-1))
         if world_size & (world_size - 1) == 0:  # a power of two: the same, exactly, and faster
             return payload.mul_(1.0 / world_size)

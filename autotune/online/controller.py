@@ -689,8 +689,7 @@ class Controller:
                 return
             except OSError as exc:  # it died before the request: search here instead
                 logger.warning("auto: the search worker failed (%s); searching on a thread", exc)
-                self._worker.close()
-                self._worker = None
+                self._stop_search()
 
         def run() -> None:
             from autotune.online.search import auto_search
@@ -714,8 +713,7 @@ class Controller:
         if self._worker is not None:
             reply = self._worker.poll()
             if reply is not None:
-                self._worker.close()
-                self._worker = None
+                self._stop_search()
             return reply
         ended = self._search is None or not self._search.is_alive()
         with self._lock:
