@@ -43,8 +43,18 @@ KINDS = ("ddp", "policy", "hook", "floor")
 CLEARLY_SLOWER = 2.0
 CLEAR_GAP_S = 0.05
 # PyTorch's PowerSGD hook averages by plain allreduce before this step (its minimum with
-# error feedback): its warm-up steps before it are not its own
+# error feedback, which it checks); measuring advances its counter to it after the first
+# step instead, once DDP's buckets are final (they are rebuilt at the second step's
+# forward, before any compression): the hook then compresses from the second step, as
+# from the third in a user's run, and at 100 Mbit one plain step less saves 3.4 s per
+# stock PowerSGD set-up
 STOCK_POWERSGD_FROM = 2
+# A step this long is network- or compute-bound and stable to about 1% here (the CPU's
+# drift is a fraction of it): with ``steady_s`` a set-up whose step takes it needs no
+# further warm-up once past its first step, and two timed steps (at 100 Mbit plain DDP's
+# step is 3 s: calibration's seven steps per set-up cost 20 s of it)
+STEADY_STEP_S = 1.0
+STEADY_STEPS = 2  # timed steps of such a set-up, its last warm-up step among them
 HOOKS = tuple(dict.fromkeys(p.hook for p in PRESETS if p.hook is not None))  # PyTorch's, by preset
 # What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
 Wrap = Callable[..., torch.nn.Module]
@@ -88,12 +98,21 @@ class _Runner:
     times: list[float] = field(default_factory=list)
     note: str = ""
     timer: _HookTimer | None = None  # stock hooks: their time per bucket
+    powersgd: Any = None  # PyTorch's PowerSGDState, for the stock PowerSGD hook
 
     @property
     def steady_from(self) -> int:
         """The first step that runs as the set-up's later ones do: after DDP's bucket
-        rebuild (step 0), and for PyTorch's PowerSGD hook once it compresses."""
-        return STOCK_POWERSGD_FROM if self.setup.hook == "powersgd" else 1
+        rebuild (step 0), and for PyTorch's PowerSGD hook after its first compressing
+        step (step 1, :meth:`first_step_done`), which allocates its error-feedback and
+        low-rank tensors: at 100 Mbit on cnn that step took 0.6 s beside 0.2 s."""
+        return 2 if self.powersgd is not None else 1
+
+    def first_step_done(self) -> None:
+        """After the first step: PyTorch's PowerSGD hook compresses from the next one
+        (see :data:`STOCK_POWERSGD_FROM`)."""
+        if self.powersgd is not None:
+            self.powersgd.iter = max(self.powersgd.iter, STOCK_POWERSGD_FROM)
 
 
 class _HookTimer:
@@ -136,7 +155,7 @@ class _HookTimer:
 
 def _stock_hook(
     setup: Setup, module: torch.nn.Module
-) -> tuple[DistributedDataParallel, str, _HookTimer]:
+) -> tuple[DistributedDataParallel, str, _HookTimer, Any]:
     """DDP with one of PyTorch's own hooks, run the way it can run here."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -167,20 +186,21 @@ def _stock_hook(
         hook = powerSGD_hook.powerSGD_hook
     timer = _HookTimer(hook)
     model.register_comm_hook(state, timer.as_hook())
-    return model, note, timer
+    return model, note, timer, state
 
 
 def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) -> _Runner:
     module = copy.deepcopy(base)
     note = ""
     timer = None
+    state = None
     if setup.kind == "floor":
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
         caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
         model = DistributedDataParallel(module, init_sync=False, **caps)
     elif setup.kind == "hook":
-        model, note, timer = _stock_hook(setup, module)
+        model, note, timer, state = _stock_hook(setup, module)
     else:
         policy = Policy.from_dict(setup.policy, source=f"set-up {setup.name!r}")
         # compressing from step 0: the untimed warm-up steps then cost what the set-up's
@@ -192,16 +212,40 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
             options["native"] = setup.native
         model = (wrap or runtime_wrap)(module, policy, **options)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    return _Runner(setup, model, module, optimizer, note=note, timer=timer)
+    return _Runner(setup, model, module, optimizer, note=note, timer=timer,
+                   powersgd=state if setup.hook == "powersgd" else None)
 
 
 def _sync_parameters(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers to every rank, once: each set-up's DDP is then
     built from the same copy without its own initial broadcast (``init_sync=False``),
-    which on a slow link costs seconds per set-up (a 37 MB model at 100 Mbit: 3 s)."""
+    which on a slow link costs seconds per set-up (a 37 MB model at 100 Mbit: 3 s).
+    When every rank already holds the same values (a seeded model), a fingerprint of
+    them says so and nothing more is sent."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not tensors:
+        return
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        mine = _fingerprint(tensors)
+        agreed = mine.clone()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        same = torch.tensor([int(torch.equal(mine, agreed))], dtype=torch.int32, device=mine.device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if same.item():
+            return
+        for tensor in tensors:
             dist.broadcast(tensor.data, src=0)
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor: the sum, the sum of squares and the sum of every seventh element,
+    in float64 (ranks whose values differ anywhere differ here, short of a constructed
+    coincidence)."""
+    rows = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to(torch.float64)
+        rows.append(torch.stack([flat.sum(), flat.square().sum(), flat[::7].sum()]))
+    return torch.stack(rows).reshape(-1)
 
 
 def _run_step(runner: _Runner, make_batch: Callable[[int], Any], loss_fn: Callable[..., Any]) -> float:
@@ -213,6 +257,8 @@ def _run_step(runner: _Runner, make_batch: Callable[[int], Any], loss_fn: Callab
     runner.optimizer.step()
     elapsed = time.perf_counter() - start
     runner.step += 1
+    if runner.step == 1:
+        runner.first_step_done()
     return elapsed
 
 
@@ -228,6 +274,8 @@ def rank_measure(
     budget_s: float | None = None,
     separate: Sequence[str] | None = None,
     wrap: Wrap | None = None,
+    predicted: dict[str, float] | None = None,
+    steady_s: float | None = None,
 ) -> dict[str, Any]:
     """Run every set-up for ``rounds`` interleaved blocks of ``block`` steps.
 
@@ -258,12 +306,23 @@ def rank_measure(
         wrap: what applies a set-up's policy (None: :func:`autotune.runtime.wrap`). Set-ups
             that revise online need one that takes ``online=True``: launch
             :func:`autotune.online.rank_measure`, which passes :func:`autotune.online.wrap`.
+        predicted: the cost model's step time per set-up name, if known: with
+            ``separate``, a set-up both predicted and measured in its first step
+            :data:`CLEARLY_SLOWER` than the fastest named one leaves after that step
+            (:func:`_first_step_slower`).
+        steady_s: without ``separate``: a set-up whose step takes at least this long
+            (e.g. :data:`STEADY_STEP_S`) after its first is steady: that step ends its
+            warm-up and counts as timed, and its measurement ends once its last
+            :data:`STEADY_STEPS` timed steps all took that long (None: never).
 
     Returns:
         On every rank: per set-up, the slowest rank's time of each measured step, and
         the bytes each compressor handed to collectives in the last step; ``rounds``
         (rounds run) and ``measure_s`` (seconds spent measuring).
     """
+    if steady_s is not None and separate is not None:
+        raise AutotuneError("rank_measure: steady_s ends a set-up's measurement on its own, "
+                            "which would take it out of separate's comparison; give one of them")
     parsed = [Setup.from_dict(s) for s in setups]
     online = [s.name for s in parsed if s.online]
     if online and wrap is None:
@@ -274,24 +333,32 @@ def rank_measure(
     _sync_parameters(work.model)
     runners = [_build(s, work.model, lr, wrap) for s in parsed]
     slowest: dict[int, list[float]] = {id(r): [] for r in runners}  # the slowest rank's times
-    active = _warm_up(runners, warmup, work.make_batch, work.loss_fn, separate, slowest)
+    active, steady = _warm_up(runners, warmup, work.make_batch, work.loss_fn, separate, slowest,
+                              predicted or {}, steady_s)
     before = {id(r): _totals(r) for r in runners}
     floor_rounds = rounds if min_rounds is None else max(1, min(min_rounds, rounds))
     started = time.perf_counter()
     budget_from: float | None = None  # the budget counts once every set-up was measured
     done = 0
     while done < rounds and active:
-        for runner in active:
+        # a steady set-up's (steady_s) last warm-up step counted: one less this round
+        counts = [max(1, STEADY_STEPS - 1) if done == 0 and id(r) in steady else block for r in active]
+        for runner, count in zip(active, counts):
             dist.barrier()  # every set-up's block starts together on all ranks
-            for _ in range(block):
+            for _ in range(count):
                 runner.times.append(_run_step(runner, work.make_batch, work.loss_fn))
         # this round's steps, as the slowest rank saw them (one small allreduce)
-        fresh = torch.tensor([t for r in active for t in r.times[-block:]], dtype=torch.float64)
+        fresh = torch.tensor([t for r, n in zip(active, counts) for t in r.times[-n:]], dtype=torch.float64)
         dist.all_reduce(fresh, op=dist.ReduceOp.MAX)
-        for i, runner in enumerate(active):
-            slowest[id(runner)].extend(fresh[i * block : (i + 1) * block].tolist())
+        at = 0
+        for runner, count in zip(active, counts):
+            slowest[id(runner)].extend(fresh[at : at + count].tolist())
+            at += count
         done += 1
         budget_from = budget_from or time.perf_counter()
+        if steady_s is not None:  # the same times on every rank: every rank agrees
+            active = [r for r in active if len(slowest[id(r)]) < STEADY_STEPS
+                      or min(slowest[id(r)][-STEADY_STEPS:]) < steady_s]
         if separate is None:
             continue
         keep = torch.zeros(len(active), dtype=torch.uint8)
@@ -377,35 +444,77 @@ def run_bench(
 
 def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int], Any],
              loss_fn: Callable[..., Any], separate: Sequence[str] | None,
-             slowest: dict[int, list[float]]) -> list[_Runner]:
+             slowest: dict[int, list[float]], predicted: dict[str, float],
+             steady_s: float | None) -> tuple[list[_Runner], set[int]]:
     """Run ``steps`` untimed steps of every set-up, round-robin; returns those to
-    measure. With ``separate``, a set-up :func:`_clearly_slower` than the fastest named
-    one in its steady warm-up steps (from :attr:`_Runner.steady_from`: the first carries
-    one-time costs, DDP's bucket rebuild follows it, and PyTorch's PowerSGD hook starts
-    compressing at its third) leaves at once, those steps (the slowest rank's) kept as
-    its times in ``slowest``: on a slow link plain DDP's three warm-up steps and first
-    block cost more than the whole separation budget, and its second step already shows
-    it 16 times slower."""
+    measure, and the ids of those found steady.
+
+    With ``separate``, a set-up :func:`_clearly_slower` than the fastest named one in
+    its steady warm-up steps (from :attr:`_Runner.steady_from`: the first carries
+    one-time costs, DDP's bucket rebuild follows it, and PyTorch's PowerSGD hook
+    allocates its state in its first compressing step) leaves at once, those steps (the slowest rank's)
+    kept as its times in ``slowest``: on a slow link plain DDP's three warm-up steps and
+    first block cost more than the whole separation budget, and its second step already
+    shows it 16 times slower. One the model predicted that much slower too leaves after
+    its first step (:func:`_first_step_slower`). With ``steady_s``, a set-up whose
+    second or later step took that long is steady: warm, that step's time kept in
+    ``slowest`` as its first timed one."""
     warming = list(runners)
+    ready: list[_Runner] = []  # warm before the last warm-up step (steady_s)
     for k in range(steps):
         step_s = [_run_step(runner, make_batch, loss_fn) for runner in warming]
-        if separate is None or k < 1 or len(warming) <= 1:
+        if (separate is None and steady_s is None) or not warming:
             continue
         latest = torch.tensor(step_s, dtype=torch.float64)
-        dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX)  # the same times on every rank
+        first = dict(zip((r.setup.name for r in warming), latest.tolist()))
         for runner, t in zip(warming, latest.tolist()):
             if k >= runner.steady_from:
                 slowest[id(runner)].append(t)
+        if steady_s is not None:
+            steady = [k >= r.steady_from and t >= steady_s for r, t in zip(warming, latest.tolist())]
+            ready += [r for r, s in zip(warming, steady) if s]
+            warming = [r for r, s in zip(warming, steady) if not s]
+        if separate is None or len(warming) <= 1:
+            continue
         keep = torch.ones(len(warming), dtype=torch.uint8)
         if dist.get_rank() == 0:
-            steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
-            slower = _clearly_slower(steady, separate)
+            if k == 0:
+                slower = _first_step_slower(first, predicted, separate)
+            else:
+                steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
+                slower = _clearly_slower(steady, separate)
             keep = torch.tensor([int(r.setup.name not in slower) for r in warming], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
+        for runner, k_ in zip(warming, keep.tolist()):
+            if not k_ and not slowest[id(runner)]:  # judged on its first step: that is its time
+                slowest[id(runner)].append(first[runner.setup.name])
         warming = [r for r, k_ in zip(warming, keep.tolist()) if k_]
     for runner in warming:  # measured from now on: their warm-up times are not kept
         slowest[id(runner)].clear()
-    return warming
+    for runner in ready:  # steady: the step that showed it is its first timed one
+        del slowest[id(runner)][:-1]
+    order = {id(r): i for i, r in enumerate(runners)}
+    return sorted(ready + warming, key=lambda r: order[id(r)]), {id(r) for r in ready}
+
+
+def _first_step_slower(first: dict[str, float], predicted: dict[str, float],
+                       separate: Sequence[str]) -> set[str]:
+    """The set-ups whose first step took over :data:`CLEARLY_SLOWER` times the fastest
+    first step among ``separate`` (and :data:`CLEAR_GAP_S` more), and which the cost
+    model predicted over :data:`CLEARLY_SLOWER` times the fastest prediction among
+    them too. A first step carries one-time costs (allocation, DDP's bucket rebuild),
+    so its time alone proves nothing; with the prediction agreeing it does: at 100 Mbit
+    plain DDP's first step is 3.5 s beside PowerSGD's 0.4 s, predicted 3.2 s beside
+    0.2 s, and its second step cost three more seconds for nothing."""
+    named = [n for n in separate if n in first]
+    known = [predicted[n] for n in named if n in predicted]
+    if not named or not known:
+        return set()
+    fastest, best_predicted = min(first[n] for n in named), min(known)
+    return {n for n, t in first.items()
+            if n in predicted and predicted[n] > CLEARLY_SLOWER * best_predicted
+            and t > CLEARLY_SLOWER * fastest and t - fastest >= CLEAR_GAP_S}
 
 
 def _clearly_slower(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:

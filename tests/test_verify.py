@@ -66,13 +66,128 @@ def test_a_set_up_clearly_slower_in_warm_up_is_never_timed_beyond_it(run_ranks) 
     assert "warmup_only" not in by["ddp"] and len(by["ddp"]["step_s"]) >= 2
 
 
-def test_a_stock_powersgd_set_up_is_judged_in_warm_up_only_once_it_compresses() -> None:
-    from autotune.measure import STOCK_POWERSGD_FROM, Setup, _Runner
+@pytest.mark.multirank
+def test_a_set_up_the_model_predicts_clearly_slower_leaves_after_its_first_step(run_ranks) -> None:
+    setups = [{"name": "slow", "kind": "ddp"},
+              {"name": "fast", "kind": "policy", "policy": {"version": 1, "default": {"compressor": "fp16"}}},
+              {"name": "ddp", "kind": "ddp"}]
+    result = run_ranks("test_verify:rank_slow_warm_up", workload="mlp", setups=setups, rounds=3,
+                       block=2, warmup=3, min_rounds=3, separate=["slow", "fast", "ddp"],
+                       predicted={"slow": 1.0, "fast": 0.01, "ddp": 0.01})[0]
+    by = {r["name"]: r for r in result["results"]}
+    # its first step, with the 0.3 s, is its time; the others are measured as before
+    assert by["slow"]["warmup_only"] and len(by["slow"]["step_s"]) == 1
+    assert by["slow"]["step_s"][0] >= 0.3
+    assert len(by["fast"]["step_s"]) == 6 and "warmup_only" not in by["ddp"]
 
-    def runner(**setup: object) -> _Runner:
-        return _Runner(Setup.from_dict({"name": "x", **setup}), None, None, None)  # type: ignore[arg-type]
 
-    assert runner(kind="hook", hook="powersgd", rank=1).steady_from == STOCK_POWERSGD_FROM == 2
+@pytest.mark.multirank
+def test_a_set_up_of_long_steps_is_steady_sooner(run_ranks) -> None:
+    setups = [{"name": "slow", "kind": "ddp"}, {"name": "ddp", "kind": "ddp"}]
+    result = run_ranks("test_verify:rank_slow_warm_up", workload="mlp", setups=setups, rounds=2,
+                       block=2, warmup=3, steady_s=0.3)[0]
+    by = {r["name"]: r for r in result["results"]}
+    # its second warm-up step showed it steady and is its first timed one, one step in
+    # the first round its second; the other runs two rounds of two after three warm-up
+    assert len(by["slow"]["step_s"]) == 2 and len(by["ddp"]["step_s"]) == 4
+    assert min(by["slow"]["step_s"]) >= 0.3 and "warmup_only" not in by["slow"]
+    assert result["rounds"] == 2
+
+
+def rank_sync(differ: bool) -> list[float]:
+    """_sync_parameters on a model that is the same on every rank, or not."""
+    import torch
+    import torch.distributed as dist
+
+    from autotune import measure
+
+    torch.manual_seed(dist.get_rank() if differ else 0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    sent = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda t, src: sent.append(t.numel()) or broadcast(t, src)
+    try:
+        measure._sync_parameters(model)
+    finally:
+        dist.broadcast = broadcast
+    return [len(sent), *model[0].weight.reshape(-1)[:4].tolist()]
+
+
+@pytest.mark.multirank
+def test_parameters_are_sent_only_when_ranks_differ(run_ranks) -> None:
+    same = run_ranks("test_verify:rank_sync", differ=False)
+    assert [r[0] for r in same] == [0, 0] and same[0][1:] == same[1][1:]
+    differ = run_ranks("test_verify:rank_sync", differ=True)
+    assert differ[0][0] == differ[1][0] > 0 and differ[0][1:] == differ[1][1:]
+
+
+def test_the_first_step_drops_a_set_up_only_when_the_model_agrees() -> None:
+    from autotune.measure import _first_step_slower
+
+    first = {"ddp": 3.5, "fp16": 1.8, "psgd": 0.4, "stock:psgd": 3.4, "tuned": 0.5}
+    predicted = {"ddp": 3.2, "fp16": 1.7, "psgd": 0.2, "stock:psgd": 0.2, "tuned": 0.21}
+    named = list(first)
+    # stock PowerSGD's first step is a plain allreduce: slow, but predicted fast
+    assert _first_step_slower(first, predicted, named) == {"ddp", "fp16"}
+    # predicted slow but measured close (a first step's one-time costs cut both ways)
+    assert _first_step_slower({**first, "ddp": 0.7}, predicted, named) == {"fp16"}
+    assert _first_step_slower(first, {}, named) == set()  # no prediction: no early drop
+    assert _first_step_slower(first, predicted, []) == set()
+
+
+def test_a_bucket_variant_predicted_far_slower_is_not_measured() -> None:
+    from test_models import synthetic_profile
+
+    from autotune.search.defaults import PRUNE_PREDICTED
+    from autotune.search.tuner import tune
+    from autotune.search.verify import _setups
+
+    result = tune(synthetic_profile("cnn", link_bps=1e8), trials=10, seed=0, top_k=4)
+    setups, info = _setups(result, 2, "gloo")
+    measured = {s["name"] for s in setups}
+    pruned = {n for n, r in info.items() if r.get("pruned")}
+    assert pruned == {"ddp1mb", "ddp5mb", "ddp100mb"}  # 100 Mbit: 10x PowerSGD's step
+    assert not pruned & measured
+    assert {p.name for p in PRESETS} <= measured  # our presets' policies always
+    fastest = min(r["predicted_step_s"] for n, r in info.items() if n in measured and r.get("predicted_step_s"))
+    assert all(info[n]["predicted_step_s"] > PRUNE_PREDICTED * fastest for n in pruned)
+    # on a fast link nothing is that far off
+    fast = tune(synthetic_profile("cnn", link_bps=1e11), trials=10, seed=0, top_k=4)
+    assert not any(r.get("pruned") for r in _setups(fast, 2, "gloo")[1].values())
+
+
+def rank_stock_powersgd_steps() -> list[int]:
+    """Elements PyTorch's PowerSGD hook sent compressed after each of 3 steps, run as
+    measuring runs it."""
+    from autotune import measure
+    from autotune.workloads import resolve_workload
+
+    work = resolve_workload("mlp")
+    setup = measure.Setup("stock:powersgd1", kind="hook", hook="powersgd", rank=1)
+    runner = measure._build(setup, work.model, 0.01, None)
+    sent = []
+    for _ in range(3):
+        measure._run_step(runner, work.make_batch, work.loss_fn)
+        sent.append(runner.powersgd.total_numel_after_compression)
+    return sent
+
+
+@pytest.mark.multirank
+def test_a_stock_powersgd_set_up_compresses_from_its_second_step(run_ranks) -> None:
+    # its state still starts at the minimum PyTorch allows with error feedback (2), and
+    # measuring moves it there after the first step, once DDP's buckets are final
+    sent = run_ranks("test_verify:rank_stock_powersgd_steps")[0]
+    assert sent[0] == 0 and 0 < sent[1] < sent[2]
+
+
+def test_a_stock_powersgd_set_up_is_judged_in_warm_up_only_after_its_first_compressing_step() -> None:
+    from autotune.measure import Setup, _Runner
+
+    def runner(powersgd: object = None, **setup: object) -> _Runner:
+        return _Runner(Setup.from_dict({"name": "x", **setup}), None, None, None,  # type: ignore[arg-type]
+                       powersgd=powersgd)
+
+    assert runner(object(), kind="hook", hook="powersgd", rank=1).steady_from == 2
     assert runner(kind="hook", hook="fp16").steady_from == 1
     assert runner(kind="ddp").steady_from == 1
 

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from autotune.compressors import CompressorSpec
 from autotune.probes.profile import ROW_SPARSE_BELOW, NetworkFit, Profile
+from autotune.search.defaults import PRUNE_PREDICTED
 
 __all__ = ["codec_coverage", "print_profile"]
 
@@ -270,5 +271,10 @@ def print_verification(out: Any, meta: Mapping[str, Any]) -> None:
             "yes" if r.get("feasible") else "no",
         )
     out.print(table)
+    pruned = summary.get("pruned") or {}
+    if pruned:
+        listed = ", ".join(f"{n} ({s * 1e3:.0f} ms)" for n, s in sorted(pruned.items(), key=lambda kv: kv[1]))
+        out.print(f"not measured, predicted over {PRUNE_PREDICTED:g}x the fastest prediction: {listed}",
+                  soft_wrap=True)
     if summary.get("why"):
         out.print(f"verdict: {summary['why']}", soft_wrap=True)

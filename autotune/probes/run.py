@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from autotune._version import __version__
 from autotune.launch import Placement, init_from_env, launch, set_rank_threads
-from autotune.measure import rank_measure
+from autotune.measure import STEADY_STEP_S, rank_measure
 from autotune.presets import DEFAULT_PRESETS
 from autotune.probes.codecs import probe_codecs
 from autotune.probes.compute import probe_compute
@@ -150,8 +150,9 @@ def _calibrate(workload: str, policies: list[dict[str, Any] | None], report: Rep
               {"name": f"c{i}", "kind": "policy", "policy": p} for i, p in enumerate(policies)]
     # warmup 3, as measuring does: after 2, the first timed step of every set-up (plain
     # DDP too) was 15-40% slower than the rest (2x2 ranks on 2 cores), which biased a
-    # median of four steps
-    measured = rank_measure(workload, setups, rounds=2, block=2, warmup=3)
+    # median of four steps; a set-up of second-long steps (a slow link's) is steady
+    # sooner and measured in two steps (STEADY_STEP_S)
+    measured = rank_measure(workload, setups, rounds=2, block=2, warmup=3, steady_s=STEADY_STEP_S)
     return {"results": [
         {"policy": p, "step_s": r["step_s_median"], "all_s": r["step_s"]}
         for p, r in zip(policies, measured["results"])

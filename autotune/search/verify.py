@@ -26,12 +26,13 @@ from autotune.launch import Placement, launch
 from autotune.policies import Policy
 from autotune.presets import PRESETS
 from autotune.probes.profile import Calibration, CalibrationRun
-from autotune.search.defaults import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN
+from autotune.search.defaults import (DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN,
+                                      PRUNE_PREDICTED)
 from autotune.search.tuner import Candidate, TuneResult
 from autotune.trials import decide, method_key, ratio_interval, simplicity_ranks
 
-__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "candidates", "learned", "model_accuracy",
-           "verify_result"]
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "PRUNE_PREDICTED", "candidates", "learned",
+           "model_accuracy", "verify_result"]
 
 
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
@@ -84,8 +85,13 @@ def _plain(policy: Policy) -> dict[str, Any]:
 
 
 def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    """What to measure, simplest first, and what is known of each."""
+    """What to measure, simplest first, and what is known of each; a bucket-size
+    variant of a preset (e.g. ``ddp1mb``) that the model predicts :data:`PRUNE_PREDICTED`
+    times the fastest prediction is left out (in ``info`` with ``pruned``: no
+    measurement), the presets themselves never."""
     ours = {b.name: b for b in result.baselines}
+    fastest = min([c.predicted_s for c in candidates(result, k)]
+                  + [b.predicted_s for b in result.baselines if b.feasible])
     setups: list[dict[str, Any]] = []
     info: dict[str, dict[str, Any]] = {}
     for p in PRESETS:
@@ -97,11 +103,15 @@ def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, An
             setups.append(stock)
             info[stock["name"]] = {"kind": "stock", "label": p.label, "error": error,
                                    "feasible": feasible, "equivalent": p.name}
+    presets = {p.name for p in PRESETS}
     for b in result.baselines:  # our policies for the presets, and DDP's bucket sizes
-        setups.append({"name": b.name, "kind": "policy", "policy": b.policy.to_dict()})
         info[b.name] = {"kind": "baseline", "error": b.error, "feasible": b.feasible,
                         "predicted_step_s": b.predicted_s, "policy_id": b.policy.id,
                         "policy": _plain(b.policy)}
+        if b.name not in presets and b.predicted_s > PRUNE_PREDICTED * fastest:
+            info[b.name]["pruned"] = True
+            continue
+        setups.append({"name": b.name, "kind": "policy", "policy": b.policy.to_dict()})
     for c in candidates(result, k):
         setups.append({"name": c.name, "kind": "policy", "policy": c.policy.to_dict()})
         info[c.name] = {"kind": "candidate", "error": c.error, "feasible": True,
@@ -134,10 +144,14 @@ def verify_result(
     """
     setups, info = _setups(result, k, backend)
     eligible = [s["name"] for s in setups if info[s["name"]]["feasible"]]
+    # a stock set-up is predicted as our equivalent of it
+    predicted = {s["name"]: info[info[s["name"]].get("equivalent", s["name"])]["predicted_step_s"]
+                 for s in setups
+                 if info.get(info[s["name"]].get("equivalent", s["name"]), {}).get("predicted_step_s")}
     measured = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                       kwargs={"workload": workload, "setups": setups, "rounds": max_rounds,
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
-                              "separate": eligible})[0]
+                              "separate": eligible, "predicted": predicted})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
     warm_only = {r["name"] for r in measured["results"] if r.get("warmup_only")}
     # Measurement drops a set-up once it is shown slower than the fastest (successive
@@ -192,6 +206,8 @@ def verify_result(
         "fastest_within_budget": decision.fastest,
         "fastest_overall": overall.fastest,
         "fastest_overall_error": info[overall.fastest]["error"],
+        # predicted too slow to measure: name -> predicted seconds
+        "pruned": {n: r["predicted_step_s"] for n, r in info.items() if r.get("pruned")},
     }
     meta = dict(result.policy.meta)
     light = {n: {k: v for k, v in r.items() if k != "policy"} for n, r in report.items()}
