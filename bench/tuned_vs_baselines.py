@@ -50,6 +50,7 @@ from autotune.probes.run import profile_job
 from autotune.search.defaults import candidate_pool
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, learned, verify_result
+from autotune.trials import separated_tau
 
 BUCKET_CAPS_MB = (1.0, 5.0, 100.0)  # DDP's bucket size alone, beside its 25 MB default
 STOCK = [p for p in PRESETS if p.stock_setup("gloo") is not None]
@@ -77,10 +78,11 @@ DESCRIBED = ("ddp", "fp16", *BUCKETS[1:])
 
 
 def held_out(profile: Any, rate: str, medians: dict[str, float],
-             tuned: Policy | None = None) -> dict[str, Any]:
+             tuned: Policy | None = None, times: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """The cost model fitted on ``profile`` (another link), asked for ``rate`` as a
     what-if, against the baselines measured at ``rate`` (all of them, and apart those
-    it describes, with the tuned policy)."""
+    it describes, with the tuned policy); with the measured step ``times``, tau also
+    over the pairs the measurement tells apart (:func:`autotune.trials.separated_tau`)."""
     model = CostModel.fit(profile)
     what_if = WhatIf(bandwidth_bps=parse_link(rate).rate_bps)
     policies = {s["name"]: _equivalent(s["name"]) for s in SETUPS}
@@ -92,8 +94,12 @@ def held_out(profile: Any, rate: str, medians: dict[str, float],
         errors = sorted(abs((predicted[n] / predicted["ddp"]) / (medians[n] / medians["ddp"]) - 1)
                         for n in names if n != "ddp")
         tau = kendalltau([predicted[n] for n in names], [medians[n] for n in names])[0]
-        return {"median_ratio_error": statistics.median(errors), "max_ratio_error": errors[-1],
-                "kendall_tau_baselines": float(tau)}
+        out = {"median_ratio_error": statistics.median(errors), "max_ratio_error": errors[-1],
+               "kendall_tau_baselines": float(tau)}
+        if times is not None:
+            out["kendall_tau_baselines_separated"], out["separated_pairs"] = separated_tau(
+                {n: predicted[n] for n in names}, times)
+        return out
 
     described = list(DESCRIBED) + (["tuned"] if tuned is not None else [])
     return {"predicted_s": predicted, **accuracy([s["name"] for s in SETUPS]),
@@ -193,8 +199,9 @@ def add_held_out(cells: list[dict[str, Any]], fit_link: str, out: Path) -> None:
     for c in cells:
         path = _profile_path(out, fit_link, c["workload"])
         if c["link"] not in ("unshaped", fit_link) and path.exists():
-            c["model_accuracy_held_out"] = held_out(load_profile(path), c["link"], c["medians_s"],
-                                                    Policy.from_dict(c["policy"]))
+            c["model_accuracy_held_out"] = held_out(
+                load_profile(path), c["link"], c["medians_s"], Policy.from_dict(c["policy"]),
+                {r["name"]: r["step_s"] for r in c["results"]})
 
 
 def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
@@ -202,15 +209,17 @@ def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
     table = Table(title="measured median step time (ms), 2 ranks, interleaved")
     cols = ["link", "workload", "ddp", "best bucket", "fp16", "psgd1", "psgd4", "tuned", "floor",
             "tuned/best", "tuned/best in budget", "tuned/worst-case", "ddp/tuned", "chosen", "error",
-            "model on link: ratio err, tau", "held out: ratio err, tau", "held out, described", "profile+tune+verify s"]
+            "model on link: ratio err, tau (apart)", "held out: ratio err, tau (apart)",
+            "held out, described", "profile+tune+verify s"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("link", "workload", "chosen") else "right")
 
     def accuracy(a: dict[str, Any] | None) -> str:
         if not a:
             return ""
-        tau = a.get("kendall_tau_baselines")
-        return f"{a['median_ratio_error']:.1%}, " + ("-" if tau is None else f"{tau:.2f}")
+        tau, sep = a.get("kendall_tau_baselines"), a.get("kendall_tau_baselines_separated")
+        return (f"{a['median_ratio_error']:.1%}, " + ("-" if tau is None else f"{tau:.2f}")
+                + ("" if sep is None else f" ({sep:.2f})"))
 
     for c in cells:
         m = c["medians_s"]
@@ -233,6 +242,8 @@ def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
     fast = [c["tuned_vs_ddp"] for c in cells if c["link"] in ("unshaped", "4gbit")]
     held = [c["model_accuracy_held_out"] for c in cells if c.get("model_accuracy_held_out")]
     described = [h["described"] for h in held if "described" in h]
+    seps = [h["kendall_tau_baselines_separated"] for h in held
+            if h.get("kendall_tau_baselines_separated") is not None]
     console.print(f"error budget {DEFAULT_MAX_ERROR} (the default); verify K={verify}; baselines' "
                   f"errors in the JSON (baseline_errors)")
     console.print(f"tuned/best within budget: median {statistics.median(in_budget):.3f} (target <= 1.00); "
@@ -242,7 +253,9 @@ def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
                   + (f"; tuned/ddp on unshaped and 4gbit at most {max(fast):.3f} (target <= 1.02)" if fast else "")
                   + (f"; held-out median ratio error {statistics.median(h['median_ratio_error'] for h in held):.1%}"
                      f" (target <= 5%), tau {statistics.median(h['kendall_tau_baselines'] for h in held):.2f}"
-                     " (target >= 0.9)" if held else "")
+                     " (target >= 0.9)"
+                     + (f", over the pairs measured apart {statistics.median(seps):.2f}" if seps else "")
+                     if held else "")
                   + (f"; on the set-ups the model describes (DDP at each bucket size, fp16, tuned) "
                      f"{statistics.median(h['median_ratio_error'] for h in described):.1%}, tau "
                      f"{statistics.median(h['kendall_tau_baselines'] for h in described):.2f}" if described else ""))

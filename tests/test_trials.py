@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autotune.trials import decide, method_key, ratio_interval, separated, simplicity_ranks
+from autotune.trials import decide, method_key, ratio_interval, separated, separated_tau, simplicity_ranks
 
 
 def _times(median: float, n: int = 12, spread: float = 0.02, seed: int = 0) -> list[float]:
@@ -73,3 +73,16 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError):
         ratio_interval([], [1.0])
     assert not separated({"a": [1.0]})
+
+
+def test_tau_counts_only_the_pairs_the_measurement_tells_apart() -> None:
+    # three DDP bucket sizes measured alike, fp16 and PowerSGD clearly apart
+    alike = _times(3.3, seed=1)
+    times = {"ddp": alike, "ddp1mb": alike[::-1], "ddp5mb": alike[1:] + alike[:1],
+             "fp16": _times(1.7, seed=4), "psgd": _times(0.2, seed=5)}
+    right = {"ddp": 3.2, "ddp1mb": 3.13, "ddp5mb": 3.14, "fp16": 1.7, "psgd": 0.3}
+    tau, pairs = separated_tau(right, times)
+    assert pairs == 7 and tau == 1.0  # the three alike pairs are not counted
+    wrong = {**right, "fp16": 0.1}  # fp16 predicted faster than PowerSGD: 1 of 7 discordant
+    assert separated_tau(wrong, times) == ((6 - 1) / 7, 7)
+    assert separated_tau(right, {"ddp": times["ddp"], "ddp1mb": times["ddp1mb"]}) == (None, 0)

@@ -162,9 +162,11 @@ def _learn(out: Any, path: Path, profile: Profile, report: dict[str, Any]) -> No
     accuracy = report.get("_summary", {}).get("model_accuracy") or {}
     line = f"added the verification's measurements to {path}'s calibration (the next tune fits on them)"
     if accuracy:
-        tau = accuracy.get("kendall_tau_baselines")
+        tau, apart = accuracy.get("kendall_tau_baselines"), accuracy.get("kendall_tau_baselines_separated")
         line += (f"; the cost model's predicted ratio to DDP erred by {accuracy['median_ratio_error']:.1%} "
-                 "(median)" + (f", Kendall tau among the baselines {tau:.2f}" if tau is not None else ""))
+                 "(median)" + (f", Kendall tau among the baselines {tau:.2f}" if tau is not None else "")
+                 + (f" ({apart:.2f} over the {accuracy['separated_pairs']} pairs measured apart)"
+                    if apart is not None else ""))
     out.print(line, soft_wrap=True)
 
 

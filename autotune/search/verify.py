@@ -29,7 +29,7 @@ from autotune.probes.profile import Calibration, CalibrationRun
 from autotune.search.defaults import (DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, DEFAULT_EXACT_MARGIN,
                                       PRUNE_PREDICTED)
 from autotune.search.tuner import Candidate, TuneResult
-from autotune.trials import decide, method_key, ratio_interval, simplicity_ranks
+from autotune.trials import decide, method_key, ratio_interval, separated_tau, simplicity_ranks
 
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "PRUNE_PREDICTED", "candidates", "learned",
            "model_accuracy", "verify_result"]
@@ -200,7 +200,7 @@ def verify_result(
             why += f" (measured {ratio:.2f}x the stock set-up in this run)"
     summary = {
         "winner": winner, "emitted": emitted_name, "why": why,
-        "model_accuracy": model_accuracy(report),
+        "model_accuracy": model_accuracy(report, times),
         "separated": decision.separated, "rounds": measured.get("rounds"),
         "measure_s": measured.get("measure_s"), "budget_s": budget_s,
         "fastest_within_budget": decision.fastest,
@@ -230,11 +230,12 @@ def _exact_within(medians: dict[str, float], info: dict[str, dict[str, Any]], wi
     return best if medians[best] <= medians[winner] * (1 + margin) else None
 
 
-def model_accuracy(report: dict[str, Any]) -> dict[str, Any]:
+def model_accuracy(report: dict[str, Any], times: dict[str, list[float]] | None = None) -> dict[str, Any]:
     """How well the cost model ranked what verification measured: the error of each
     predicted ratio to plain DDP (our ``ddp`` policy) against the measured one, and
     Kendall's tau between predicted and measured times, among our preset policies and
-    among everything predicted."""
+    among everything predicted; with the measured ``times``, also over the pairs of
+    preset policies the measurement tells apart (:func:`autotune.trials.separated_tau`)."""
     from scipy.stats import kendalltau
 
     rows = {n: r for n, r in report.items() if not n.startswith("_") and r.get("predicted_step_s")}
@@ -251,9 +252,13 @@ def model_accuracy(report: dict[str, Any]) -> dict[str, Any]:
         value = kendalltau([r["predicted_step_s"] for r in items], [r["measured_step_s"] for r in items])[0]
         return None if value != value else float(value)  # NaN when all predictions tie
 
-    return {"median_ratio_error": errors[len(errors) // 2], "max_ratio_error": errors[-1],
-            "kendall_tau_baselines": tau(presets), "kendall_tau_all": tau(list(rows.values())),
-            "set_ups": len(rows)}
+    out = {"median_ratio_error": errors[len(errors) // 2], "max_ratio_error": errors[-1],
+           "kendall_tau_baselines": tau(presets), "kendall_tau_all": tau(list(rows.values())),
+           "set_ups": len(rows)}
+    if times is not None:
+        out["kendall_tau_baselines_separated"], out["separated_pairs"] = separated_tau(
+            {n: r["predicted_step_s"] for n, r in rows.items() if r["kind"] == "baseline"}, times)
+    return out
 
 
 def learned(calibration: Calibration, report: dict[str, Any]) -> Calibration:
