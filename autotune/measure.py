@@ -99,6 +99,7 @@ class _Runner:
     note: str = ""
     timer: _HookTimer | None = None  # stock hooks: their time per bucket
     powersgd: Any = None  # PyTorch's PowerSGDState, for the stock PowerSGD hook
+    first_step_only: bool = False  # judged on its first step (one-time costs in its time)
 
     @property
     def steady_from(self) -> int:
@@ -387,6 +388,8 @@ def rank_measure(
             entry["note"] = runner.note
         if id(runner) not in measured:
             entry["warmup_only"] = True  # clearly slower in warm-up: its times are those
+        if runner.first_step_only:  # its one time is its first step's, one-time costs and all
+            entry["first_step_only"] = True
         breakdown = _breakdown(runner, before[id(runner)])
         if breakdown is not None:
             entry["breakdown"] = breakdown
@@ -479,8 +482,9 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
             continue
         keep = torch.ones(len(warming), dtype=torch.uint8)
         if dist.get_rank() == 0:
-            if k == 0:
-                slower = _first_step_slower(first, predicted, separate)
+            if k == 0:  # a stock PowerSGD hook's first step is a plain allreduce: not its own
+                own = {r.setup.name: first[r.setup.name] for r in warming if r.steady_from == 1}
+                slower = _first_step_slower(own, predicted, separate)
             else:
                 steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
                 slower = _clearly_slower(steady, separate)
@@ -489,6 +493,7 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
         for runner, k_ in zip(warming, keep.tolist()):
             if not k_ and not slowest[id(runner)]:  # judged on its first step: that is its time
                 slowest[id(runner)].append(first[runner.setup.name])
+                runner.first_step_only = True
         warming = [r for r, k_ in zip(warming, keep.tolist()) if k_]
     for runner in warming:  # measured from now on: their warm-up times are not kept
         slowest[id(runner)].clear()

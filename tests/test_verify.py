@@ -42,12 +42,14 @@ def test_measurement_ends_at_its_budget(run_ranks) -> None:
 
 
 def rank_slow_warm_up(**kwargs: object) -> dict:
-    """rank_measure where the set-up called ``slow`` takes 0.3 s more per step (added
-    to its measured time, so the test costs nothing)."""
+    """rank_measure where the set-ups named in ``slow`` (default: the one called
+    ``slow``) take 0.3 s more per step (added to their measured time, so the test costs
+    nothing)."""
     from autotune import measure
 
+    slow = kwargs.pop("slow", ["slow"])
     step = measure._run_step
-    measure._run_step = lambda r, mb, lf: step(r, mb, lf) + (0.3 if r.setup.name == "slow" else 0.0)
+    measure._run_step = lambda r, mb, lf: step(r, mb, lf) + (0.3 if r.setup.name in slow else 0.0)
     return measure.rank_measure(**kwargs)  # type: ignore[arg-type]
 
 
@@ -61,6 +63,7 @@ def test_a_set_up_clearly_slower_in_warm_up_is_never_timed_beyond_it(run_ranks) 
     by = {r["name"]: r for r in result["results"]}
     # decided at the second warm-up step: one time kept, the slowest rank's, with the 0.3 s
     assert by["slow"]["warmup_only"] and len(by["slow"]["step_s"]) == 1
+    assert "first_step_only" not in by["slow"]
     assert by["slow"]["step_s"][0] >= 0.3
     assert "warmup_only" not in by["fast"] and len(by["fast"]["step_s"]) == 6
     assert "warmup_only" not in by["ddp"] and len(by["ddp"]["step_s"]) >= 2
@@ -70,13 +73,18 @@ def test_a_set_up_clearly_slower_in_warm_up_is_never_timed_beyond_it(run_ranks) 
 def test_a_set_up_the_model_predicts_clearly_slower_leaves_after_its_first_step(run_ranks) -> None:
     setups = [{"name": "slow", "kind": "ddp"},
               {"name": "fast", "kind": "policy", "policy": {"version": 1, "default": {"compressor": "fp16"}}},
-              {"name": "ddp", "kind": "ddp"}]
+              {"name": "ddp", "kind": "ddp"},
+              {"name": "stock:psgd", "kind": "hook", "hook": "powersgd", "rank": 1}]
     result = run_ranks("test_verify:rank_slow_warm_up", workload="mlp", setups=setups, rounds=3,
-                       block=2, warmup=3, min_rounds=3, separate=["slow", "fast", "ddp"],
-                       predicted={"slow": 1.0, "fast": 0.01, "ddp": 0.01})[0]
+                       block=2, warmup=3, min_rounds=3, separate=["slow", "fast", "ddp", "stock:psgd"],
+                       predicted={"slow": 1.0, "fast": 0.01, "ddp": 0.01, "stock:psgd": 1.0},
+                       slow=["slow", "stock:psgd"])[0]
     by = {r["name"]: r for r in result["results"]}
-    # its first step, with the 0.3 s, is its time; the others are measured as before
-    assert by["slow"]["warmup_only"] and len(by["slow"]["step_s"]) == 1
+    # PyTorch's PowerSGD hook's first step is a plain allreduce, not its method: it is
+    # judged once it compresses (then as clearly slower, by its steady warm-up step)
+    assert by["stock:psgd"]["warmup_only"] and "first_step_only" not in by["stock:psgd"]
+    # its first step, with the 0.3 s, is its time, and says so; the others are measured as before
+    assert by["slow"]["warmup_only"] and by["slow"]["first_step_only"] and len(by["slow"]["step_s"]) == 1
     assert by["slow"]["step_s"][0] >= 0.3
     assert len(by["fast"]["step_s"]) == 6 and "warmup_only" not in by["ddp"]
 
@@ -133,6 +141,21 @@ def test_the_first_step_drops_a_set_up_only_when_the_model_agrees() -> None:
     assert _first_step_slower({**first, "ddp": 0.7}, predicted, named) == {"fp16"}
     assert _first_step_slower(first, {}, named) == set()  # no prediction: no early drop
     assert _first_step_slower(first, predicted, []) == set()
+
+
+def test_model_accuracy_leaves_out_a_set_up_timed_on_its_first_step() -> None:
+    from autotune.search.verify import model_accuracy
+
+    def row(pred: float, meas: float, **flags: object) -> dict:
+        return {"kind": "baseline", "predicted_step_s": pred, "measured_step_s": meas, **flags}
+
+    report = {"ddp": row(1.0, 1.0), "fp16": row(0.5, 0.5), "psgd": row(0.1, 0.1)}
+    assert model_accuracy(report)["median_ratio_error"] == 0.0
+    # a first step 70% over the steady one would read as a 41% error
+    spoiled = {**report, "ddp1mb": row(1.0, 1.7, first_step_only=True)}
+    assert model_accuracy(spoiled) == model_accuracy(report)
+    # with the reference itself timed so, there is no ratio to DDP to judge
+    assert model_accuracy({**report, "ddp": row(1.0, 1.7, first_step_only=True)}) == {}
 
 
 def test_a_bucket_variant_predicted_far_slower_is_not_measured() -> None:

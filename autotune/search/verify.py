@@ -34,6 +34,9 @@ from autotune.trials import decide, method_key, ratio_interval, separated_tau, s
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "PRUNE_PREDICTED", "candidates", "learned",
            "model_accuracy", "verify_result"]
 
+# our plain DDP policy: the reference of the model's ratios, never judged on one step
+REFERENCE = "ddp"
+
 
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
     """The tuned policy and up to ``k - 1`` more distinct trials, spread over the
@@ -144,16 +147,19 @@ def verify_result(
     """
     setups, info = _setups(result, k, backend)
     eligible = [s["name"] for s in setups if info[s["name"]]["feasible"]]
-    # a stock set-up is predicted as our equivalent of it
+    # a stock set-up is predicted as our equivalent of it; our plain DDP is left out, so
+    # that it is never judged on its first step alone: its steady time is the reference
+    # of every ratio to DDP (a first step carried up to 70% of one-time costs)
     predicted = {s["name"]: info[info[s["name"]].get("equivalent", s["name"])]["predicted_step_s"]
-                 for s in setups
-                 if info.get(info[s["name"]].get("equivalent", s["name"]), {}).get("predicted_step_s")}
+                 for s in setups if s["name"] != REFERENCE
+                 and info.get(info[s["name"]].get("equivalent", s["name"]), {}).get("predicted_step_s")}
     measured = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                       kwargs={"workload": workload, "setups": setups, "rounds": max_rounds,
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
                               "separate": eligible, "predicted": predicted})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
     warm_only = {r["name"] for r in measured["results"] if r.get("warmup_only")}
+    first_only = {r["name"] for r in measured["results"] if r.get("first_step_only")}
     # Measurement drops a set-up once it is shown slower than the fastest (successive
     # elimination): one dropped early has few steps, hence a wide interval, and must not
     # tie its way back in; the survivors (the most steps) decide.
@@ -184,6 +190,8 @@ def verify_result(
             entry["dropped"] = True
         if name in warm_only:  # clearly slower in its warm-up steps: never timed beyond them
             entry["warmup_only"] = True
+        if name in first_only:  # its time is its first step's, one-time costs included
+            entry["first_step_only"] = True
         report[name] = entry
     emitted_name = info[winner].get("equivalent", winner)
     ours = {b.name: b for b in result.baselines}
@@ -238,12 +246,14 @@ def model_accuracy(report: dict[str, Any], times: dict[str, list[float]] | None 
     preset policies the measurement tells apart (:func:`autotune.trials.separated_tau`)."""
     from scipy.stats import kendalltau
 
-    rows = {n: r for n, r in report.items() if not n.startswith("_") and r.get("predicted_step_s")}
-    if "ddp" not in rows or len(rows) < 3:
+    # a set-up timed on its first step alone is left out: one-time costs are in its time
+    rows = {n: r for n, r in report.items() if not n.startswith("_") and r.get("predicted_step_s")
+            and not r.get("first_step_only")}
+    if REFERENCE not in rows or len(rows) < 3:
         return {}
-    ref_pred, ref_meas = rows["ddp"]["predicted_step_s"], rows["ddp"]["measured_step_s"]
+    ref_pred, ref_meas = rows[REFERENCE]["predicted_step_s"], rows[REFERENCE]["measured_step_s"]
     errors = sorted(abs((r["predicted_step_s"] / ref_pred) / (r["measured_step_s"] / ref_meas) - 1)
-                    for n, r in rows.items() if n != "ddp")
+                    for n, r in rows.items() if n != REFERENCE)
     presets = [r for r in rows.values() if r["kind"] == "baseline"]
 
     def tau(items: list[dict[str, Any]]) -> float | None:
