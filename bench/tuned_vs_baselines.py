@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-budget", type=float, default=DEFAULT_BUDGET_S)
     parser.add_argument("--fit-link", default="1gbit",
                         help="the link whose profile predicts the others (held-out accuracy)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="rounds of the final measurement (0: as many as fill --measure-s, 5-25)")
+    parser.add_argument("--measure-s", type=float, default=60.0,
+                        help="seconds the final measurement aims at when --rounds is 0")
     parser.add_argument("--block", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results/tuned_vs_baselines.json"))
     parser.add_argument("--show", type=Path, metavar="JSON",
@@ -153,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 profile.save(_profile_path(args.out, link, workload))
                 setups = SETUPS + [{"name": "tuned", "kind": "policy", "policy": policy.to_dict()},
                                    {"name": "floor", "kind": "floor"}]
+                rounds = args.rounds or _rounds(verified, args.block, args.measure_s)
                 measured = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
                                   kwargs={"workload": workload, "setups": setups,
-                                          "rounds": args.rounds, "block": args.block})[0]
+                                          "rounds": rounds, "block": args.block})[0]
                 med = {r["name"]: statistics.median(r["step_s"]) for r in measured["results"]}
                 baselines = [s["name"] for s in SETUPS]
                 info = result.policy.meta["baselines"]
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                     "predicted_s": policy.meta["predicted_step_s"], "verified": verified,
                     "model_accuracy_on_link": ((verified or {}).get("_summary") or {}).get("model_accuracy"),
                     "error": policy.meta["error"], "max_error": DEFAULT_MAX_ERROR,
-                    "profile_tune_verify_s": t1 - t0, "results": measured["results"],
+                    "profile_tune_verify_s": t1 - t0, "results": measured["results"], "rounds": rounds,
                 })
                 console.print(f"{link} {workload}: tuned {med['tuned'] * 1e3:.0f} ms ({policy.meta['chosen']}), "
                               f"best baseline {best} {med[best] * 1e3:.0f} ms, ddp {med['ddp'] * 1e3:.0f} ms, "
@@ -187,6 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     report(console, cells, args.verify)
     console.print(f"wrote {args.out} ({(time.time() - started) / 60:.0f} min)")
     return 0
+
+
+def _rounds(verified: dict[str, Any] | None, block: int, measure_s: float) -> int:
+    """Rounds of the final measurement: as many as fill about ``measure_s`` seconds at
+    the step times verification measured (5 to 25). On the CPU-bound links a set-up's
+    median of 10 steps moved by up to 10% between two measurements of the same thing;
+    there 25 rounds cost under a minute, while on a slow link 5 rounds of DDP at four
+    bucket sizes already take two."""
+    if not verified:
+        return 5
+    # the stock set-ups are SETUPS' presets; DDP at other bucket sizes may have been pruned
+    times = {n.removeprefix("stock:"): r["measured_step_s"] for n, r in verified.items()
+             if n.startswith("stock:") or n in BUCKETS[1:]}
+    ddp = times.get("ddp", max(times.values()))
+    fastest = min(r["measured_step_s"] for n, r in verified.items() if not n.startswith("_"))
+    per_round = block * (sum(times.get(s["name"], ddp) for s in SETUPS) + 2 * fastest)  # + tuned, floor
+    return max(5, min(25, int(measure_s / per_round)))
 
 
 def _profile_path(out: Path, link: str, workload: str) -> Path:
