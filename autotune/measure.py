@@ -458,7 +458,8 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
     allocates its state in its first compressing step) leaves at once, those steps (the slowest rank's)
     kept as its times in ``slowest``: on a slow link plain DDP's three warm-up steps and
     first block cost more than the whole separation budget, and its second step already
-    shows it 16 times slower. One the model predicted that much slower too leaves after
+    shows it 16 times slower (judged on two such steps: a single one of plain DDP's on
+    the unshaped link once took 2.5 times its steady time). One the model predicted that much slower too leaves after
     its first step (:func:`_first_step_slower`). With ``steady_s``, a set-up whose
     second or later step took that long is steady: warm, that step's time kept in
     ``slowest`` as its first timed one."""
@@ -485,9 +486,9 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
             if k == 0:  # a stock PowerSGD hook's first step is a plain allreduce: not its own
                 own = {r.setup.name: first[r.setup.name] for r in warming if r.steady_from == 1}
                 slower = _first_step_slower(own, predicted, separate)
-            else:
+            else:  # two steady steps at least: one spike (2.5x, seen here) is no evidence
                 steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
-                slower = _clearly_slower(steady, separate)
+                slower = {n for n in _clearly_slower(steady, separate) if len(steady[n]) >= 2}
             keep = torch.tensor([int(r.setup.name not in slower) for r in warming], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
         for runner, k_ in zip(warming, keep.tolist()):

@@ -61,8 +61,9 @@ def test_a_set_up_clearly_slower_in_warm_up_is_never_timed_beyond_it(run_ranks) 
     result = run_ranks("test_verify:rank_slow_warm_up", workload="mlp", setups=setups, rounds=3,
                        block=2, warmup=3, min_rounds=3, separate=["slow", "fast", "ddp"])[0]
     by = {r["name"]: r for r in result["results"]}
-    # decided at the second warm-up step: one time kept, the slowest rank's, with the 0.3 s
-    assert by["slow"]["warmup_only"] and len(by["slow"]["step_s"]) == 1
+    # decided at the third warm-up step, on two steady steps (a single spike proves
+    # nothing): their times kept, the slowest rank's, with the 0.3 s
+    assert by["slow"]["warmup_only"] and len(by["slow"]["step_s"]) == 2
     assert "first_step_only" not in by["slow"]
     assert by["slow"]["step_s"][0] >= 0.3
     assert "warmup_only" not in by["fast"] and len(by["fast"]["step_s"]) == 6
@@ -81,8 +82,8 @@ def test_a_set_up_the_model_predicts_clearly_slower_leaves_after_its_first_step(
                        slow=["slow", "stock:psgd"])[0]
     by = {r["name"]: r for r in result["results"]}
     # PyTorch's PowerSGD hook's first step is a plain allreduce, not its method: it is
-    # judged once it compresses (then as clearly slower, by its steady warm-up step)
-    assert by["stock:psgd"]["warmup_only"] and "first_step_only" not in by["stock:psgd"]
+    # judged once it compresses, on steady steps (here in the first round)
+    assert "first_step_only" not in by["stock:psgd"] and len(by["stock:psgd"]["step_s"]) >= 2
     # its first step, with the 0.3 s, is its time, and says so; the others are measured as before
     assert by["slow"]["warmup_only"] and by["slow"]["first_step_only"] and len(by["slow"]["step_s"]) == 1
     assert by["slow"]["step_s"][0] >= 0.3
