@@ -99,7 +99,6 @@ class _Runner:
     note: str = ""
     timer: _HookTimer | None = None  # stock hooks: their time per bucket
     powersgd: Any = None  # PyTorch's PowerSGDState, for the stock PowerSGD hook
-    first_step_only: bool = False  # judged on its first step (one-time costs in its time)
 
     @property
     def steady_from(self) -> int:
@@ -157,7 +156,8 @@ class _HookTimer:
 def _stock_hook(
     setup: Setup, module: torch.nn.Module
 ) -> tuple[DistributedDataParallel, str, _HookTimer, Any]:
-    """DDP with one of PyTorch's own hooks, run the way it can run here."""
+    """DDP with one of PyTorch's own hooks, run the way it can run here; and the
+    PowerSGD hook's state (None for the others)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
@@ -213,8 +213,7 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
             options["native"] = setup.native
         model = (wrap or runtime_wrap)(module, policy, **options)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-    return _Runner(setup, model, module, optimizer, note=note, timer=timer,
-                   powersgd=state if setup.hook == "powersgd" else None)
+    return _Runner(setup, model, module, optimizer, note=note, timer=timer, powersgd=state)
 
 
 def _sync_parameters(model: torch.nn.Module) -> None:
@@ -388,8 +387,8 @@ def rank_measure(
             entry["note"] = runner.note
         if id(runner) not in measured:
             entry["warmup_only"] = True  # clearly slower in warm-up: its times are those
-        if runner.first_step_only:  # its one time is its first step's, one-time costs and all
-            entry["first_step_only"] = True
+            if runner.step == 1:  # left after its first step: one-time costs are in its time
+                entry["first_step_only"] = True
         breakdown = _breakdown(runner, before[id(runner)])
         if breakdown is not None:
             entry["breakdown"] = breakdown
@@ -453,14 +452,15 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
     measure, and the ids of those found steady.
 
     With ``separate``, a set-up :func:`_clearly_slower` than the fastest named one in
-    its steady warm-up steps (from :attr:`_Runner.steady_from`: the first carries
+    two steady warm-up steps (from :attr:`_Runner.steady_from`: the first carries
     one-time costs, DDP's bucket rebuild follows it, and PyTorch's PowerSGD hook
-    allocates its state in its first compressing step) leaves at once, those steps (the slowest rank's)
-    kept as its times in ``slowest``: on a slow link plain DDP's three warm-up steps and
-    first block cost more than the whole separation budget, and its second step already
-    shows it 16 times slower (judged on two such steps: a single one of plain DDP's on
-    the unshaped link once took 2.5 times its steady time). One the model predicted that much slower too leaves after
-    its first step (:func:`_first_step_slower`). With ``steady_s``, a set-up whose
+    allocates its state in its first compressing step) leaves at once, those steps (the
+    slowest rank's) kept as its times in ``slowest``: on a slow link plain DDP's three
+    warm-up steps and first block cost more than the whole separation budget, and its
+    second step already shows it 16 times slower (one step is no evidence: a single one
+    of plain DDP's on the unshaped link once took 2.5 times its steady time). One the
+    model predicted that much slower too leaves after its first step
+    (:func:`_first_step_slower`), that step's time kept as its time. With ``steady_s``, a set-up whose
     second or later step took that long is steady: warm, that step's time kept in
     ``slowest`` as its first timed one."""
     warming = list(runners)
@@ -471,7 +471,7 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
             continue
         latest = torch.tensor(step_s, dtype=torch.float64)
         dist.all_reduce(latest, op=dist.ReduceOp.MAX)  # the same times on every rank
-        first = dict(zip((r.setup.name for r in warming), latest.tolist()))
+        now = dict(zip((r.setup.name for r in warming), latest.tolist()))
         for runner, t in zip(warming, latest.tolist()):
             if k >= runner.steady_from:
                 slowest[id(runner)].append(t)
@@ -484,7 +484,7 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
         keep = torch.ones(len(warming), dtype=torch.uint8)
         if dist.get_rank() == 0:
             if k == 0:  # a stock PowerSGD hook's first step is a plain allreduce: not its own
-                own = {r.setup.name: first[r.setup.name] for r in warming if r.steady_from == 1}
+                own = {r.setup.name: now[r.setup.name] for r in warming if r.steady_from == 1}
                 slower = _first_step_slower(own, predicted, separate)
             else:  # two steady steps at least: one spike (2.5x, seen here) is no evidence
                 steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
@@ -493,8 +493,7 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
         dist.broadcast(keep, src=0)
         for runner, k_ in zip(warming, keep.tolist()):
             if not k_ and not slowest[id(runner)]:  # judged on its first step: that is its time
-                slowest[id(runner)].append(first[runner.setup.name])
-                runner.first_step_only = True
+                slowest[id(runner)].append(now[runner.setup.name])
         warming = [r for r, k_ in zip(warming, keep.tolist()) if k_]
     for runner in warming:  # measured from now on: their warm-up times are not kept
         slowest[id(runner)].clear()

@@ -93,8 +93,8 @@ def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, An
     times the fastest prediction is left out (in ``info`` with ``pruned``: no
     measurement), the presets themselves never."""
     ours = {b.name: b for b in result.baselines}
-    fastest = min([c.predicted_s for c in candidates(result, k)]
-                  + [b.predicted_s for b in result.baselines if b.feasible])
+    picked = candidates(result, k)
+    fastest = min([c.predicted_s for c in picked] + [b.predicted_s for b in result.baselines if b.feasible])
     setups: list[dict[str, Any]] = []
     info: dict[str, dict[str, Any]] = {}
     for p in PRESETS:
@@ -115,7 +115,7 @@ def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, An
             info[b.name]["pruned"] = True
             continue
         setups.append({"name": b.name, "kind": "policy", "policy": b.policy.to_dict()})
-    for c in candidates(result, k):
+    for c in picked:
         setups.append({"name": c.name, "kind": "policy", "policy": c.policy.to_dict()})
         info[c.name] = {"kind": "candidate", "error": c.error, "feasible": True,
                         "predicted_step_s": c.predicted_s, "policy_id": c.policy.id,
@@ -150,16 +150,19 @@ def verify_result(
     # a stock set-up is predicted as our equivalent of it; our plain DDP is left out, so
     # that it is never judged on its first step alone: its steady time is the reference
     # of every ratio to DDP (a first step carried up to 70% of one-time costs)
-    predicted = {s["name"]: info[info[s["name"]].get("equivalent", s["name"])]["predicted_step_s"]
-                 for s in setups if s["name"] != REFERENCE
-                 and info.get(info[s["name"]].get("equivalent", s["name"]), {}).get("predicted_step_s")}
+    predicted: dict[str, float] = {}
+    for name in (s["name"] for s in setups if s["name"] != REFERENCE):
+        source = info.get(info[name].get("equivalent", name), {})
+        if source.get("predicted_step_s"):
+            predicted[name] = source["predicted_step_s"]
     measured = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                       kwargs={"workload": workload, "setups": setups, "rounds": max_rounds,
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
                               "separate": eligible, "predicted": predicted})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
-    warm_only = {r["name"] for r in measured["results"] if r.get("warmup_only")}
-    first_only = {r["name"] for r in measured["results"] if r.get("first_step_only")}
+    # how a set-up dropped in warm-up was timed: in its warm-up steps, or its first alone
+    flags = {r["name"]: {f: True for f in ("warmup_only", "first_step_only") if r.get(f)}
+             for r in measured["results"]}
     # Measurement drops a set-up once it is shown slower than the fastest (successive
     # elimination): one dropped early has few steps, hence a wide interval, and must not
     # tie its way back in; the survivors (the most steps) decide.
@@ -188,10 +191,7 @@ def verify_result(
         elif name in eligible and name not in survivors:  # dropped as slower on the way
             entry["interval_vs_fastest"] = list(ratio_interval(times[name], times[decision.fastest]))
             entry["dropped"] = True
-        if name in warm_only:  # clearly slower in its warm-up steps: never timed beyond them
-            entry["warmup_only"] = True
-        if name in first_only:  # its time is its first step's, one-time costs included
-            entry["first_step_only"] = True
+        entry.update(flags[name])
         report[name] = entry
     emitted_name = info[winner].get("equivalent", winner)
     ours = {b.name: b for b in result.baselines}
