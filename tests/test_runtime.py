@@ -279,6 +279,54 @@ def test_a_plain_policy_runs_as_ddp_without_a_hook(run_ranks) -> None:
         assert "compresses" in r["refused"][1] and "needs it" in r["refused"][2]
 
 
+def rank_bucket_sizes() -> dict[str, list[float]]:
+    """The bucket sizes (MiB) DDP hands over in a steady step, for DDP built as users
+    build it and for wrap() at the same caps, natively and rebucketed."""
+    from autotune.workloads import transformer  # 3.1 MiB of gradients: one bucket at 25
+
+    def sizes(model: DDP, work: Any) -> list[float]:
+        # the hook (registered once, and again by a rebucket) appends to the model's list
+        seen: list[float] = model.__dict__.setdefault("_seen_buckets", [])
+
+        def counting(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+            seen.append(round(bucket.buffer().numel() * 4 / 2**20, 2))
+            fut = torch.futures.Future()  # type: ignore[var-annotated]
+            fut.set_result(bucket.buffer())  # one rank: the sum is the gradient
+            return fut
+
+        if not model._comm_hooks:
+            model.register_comm_hook(None, counting)
+        for step in range(3):  # the third is past DDP's bucket rebuild
+            seen.clear()
+            x, y = work.make_batch(step)
+            work.loss_fn(model(x), y).backward()
+        return seen
+
+    out = {}
+    for name, build in (("ddp", lambda m: DDP(m)), ("ddp25", lambda m: DDP(m, bucket_cap_mb=25)),
+                        ("ddp2", lambda m: DDP(m, bucket_cap_mb=2)),
+                        ("wrap", lambda m: autotune.wrap(m)),
+                        ("wrap2", lambda m: autotune.wrap(m, Policy(bucket_cap_mb=2.0)))):
+        work = transformer()
+        out[name] = sizes(build(work.model), work)
+    work = transformer()
+    model = autotune.wrap(work.model, Policy(bucket_cap_mb=2.0))
+    sizes(model, work)
+    model.set_bucket_cap(25.0)
+    out["rebucketed"] = sizes(model, work)
+    return out
+
+
+def test_a_policy_at_ddps_default_cap_gets_ddps_default_buckets(run_ranks) -> None:
+    """DDP(model) caps its first bucket (the last layers) at 1 MiB so that communication
+    starts early; DDP(model, bucket_cap_mb=25) does not. A policy's 25 means the former,
+    so that wrap(model) is DDP(model), bucket for bucket; other caps are DDP's own."""
+    (r,) = run_ranks("test_runtime:rank_bucket_sizes", nprocs=1, timeout=120)
+    assert len(r["ddp"]) == 2 and r["ddp"][0] < 1.1 and len(r["ddp25"]) == 1, r
+    assert r["wrap"] == r["ddp"] == r["rebucketed"]
+    assert r["wrap2"] == r["ddp2"] and len(r["ddp2"]) >= 2
+
+
 def rank_compress_from(first: int) -> dict[str, Any]:
     """Which steps' buckets went compressed, and the ranks' parameters after them."""
     torch.manual_seed(0)

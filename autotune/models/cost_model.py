@@ -286,7 +286,7 @@ class CostModel:
         if policy is None:  # plain DDP with its default buckets (small first bucket)
             layers, default, cap = {}, PLAIN, None
         else:
-            layers, default, cap = policy.layers, policy.default, policy.bucket_cap_mb
+            layers, default, cap = policy.layers, policy.default, policy.ddp_bucket_cap_mb
         layout = (self.layout(what_if, world)
                   if policy is not None and policy.topology == "hierarchical" else None)
         return simulate(compute, layers, default, cap, world,

@@ -34,10 +34,15 @@ from autotune.jsonio import freeze, json_type, read_json, thaw, write_atomic
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["POLICY_VERSION", "Policy", "PolicyCheck", "TOPOLOGIES", "load_policy"]
+__all__ = ["DDP_DEFAULT_BUCKET_CAP_MB", "POLICY_VERSION", "Policy", "PolicyCheck", "TOPOLOGIES",
+           "ddp_bucket_cap", "load_policy"]
 
 POLICY_VERSION = 1
 """Version of the policy JSON format this code reads and writes."""
+
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+"""``DistributedDataParallel``'s default ``bucket_cap_mb``; a policy at this cap gets DDP's
+default buckets, first bucket of 1 MiB included (:attr:`Policy.ddp_bucket_cap_mb`)."""
 
 MAX_BUCKET_CAP_MB = 1024.0
 """Largest bucket cap accepted: beyond it DDP fuses nothing more and memory only grows."""
@@ -101,7 +106,12 @@ class Policy:
     Attributes:
         bucket_cap_mb: DDP's bucket size in MiB. Larger buckets mean fewer, larger
             collectives (less latency, less overlap with backward). DDP's default is 25;
-            on fast links try 50-100, on slow links with compression 10-25.
+            on fast links try 50-100, on slow links with compression 10-25. At 25 the
+            buckets are DDP's default ones, whose first (the last layers' gradients,
+            ready first) is capped at 1 MiB so that communication starts early, exactly
+            as ``DistributedDataParallel(model)``; at any other cap every bucket has
+            that cap, as ``DistributedDataParallel(model, bucket_cap_mb=cap)``
+            (:attr:`ddp_bucket_cap_mb`).
         default: the compressor of every parameter without a layer entry.
         layers: compressor per parameter name; names missing here use ``default``.
         meta: free-form JSON (predictions, baselines, provenance); ignored by ``id``.
@@ -267,6 +277,14 @@ class Policy:
         )
 
     @property
+    def ddp_bucket_cap_mb(self) -> float | None:
+        """What ``DistributedDataParallel`` is given as ``bucket_cap_mb`` for this policy:
+        None (its default buckets: 25 MiB after a first bucket of 1 MiB) at DDP's default
+        cap of 25, else the cap. The runtime builds DDP with it and the cost model
+        simulates the same buckets."""
+        return ddp_bucket_cap(self.bucket_cap_mb)
+
+    @property
     def is_plain(self) -> bool:
         """Whether the policy is plain averaging: every parameter ``none``, flat. Such a
         policy needs no hook: :func:`autotune.wrap` runs it as DDP's own allreduce."""
@@ -325,6 +343,12 @@ class Policy:
         """
         # Serialise before touching the file system, so that a bad policy costs nothing.
         write_atomic(path, self.to_json() + "\n", PolicyError, "policy")
+
+
+def ddp_bucket_cap(bucket_cap_mb: float) -> float | None:
+    """``DistributedDataParallel``'s ``bucket_cap_mb`` for a policy's cap: None (DDP's
+    default buckets, first bucket of 1 MiB) at :data:`DDP_DEFAULT_BUCKET_CAP_MB`."""
+    return None if bucket_cap_mb == DDP_DEFAULT_BUCKET_CAP_MB else bucket_cap_mb
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:

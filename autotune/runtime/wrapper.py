@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotune.errors import AutotuneError, PolicyError
 from autotune.policies import Policy, load_policy
+from autotune.policies.policy import ddp_bucket_cap
 from autotune.runtime.hook import AutotuneState, dispatch_hook
 
 __all__ = ["AutotuneDDP", "as_policy", "check_wrappable", "wrap"]
@@ -43,7 +44,8 @@ class AutotuneDDP(DistributedDataParallel):
 
     Args:
         module: the model, as for DDP.
-        policy: the policy to apply; its ``bucket_cap_mb`` sets DDP's bucket size.
+        policy: the policy to apply; its ``bucket_cap_mb`` sets DDP's bucket size
+            (:attr:`Policy.ddp_bucket_cap_mb`: at 25, DDP's default buckets).
         compress_from_step: first step that may compress (>= 0; default 2: the first
             two steps, before and at DDP's bucket rebuild, are plain DDP).
         guard: agree before compressing each bucket whether a rank has a non-finite
@@ -69,7 +71,8 @@ class AutotuneDDP(DistributedDataParallel):
         if native and not policy.is_plain:
             raise PolicyError("native=True runs DDP's own allreduce, which only plain averaging "
                               "(compressor none everywhere, flat) is; this policy compresses")
-        super().__init__(module, bucket_cap_mb=policy.bucket_cap_mb, **ddp_kwargs)
+        # at DDP's default cap, DDP's default buckets (a 1 MiB first bucket): exactly DDP(model)
+        super().__init__(module, bucket_cap_mb=policy.ddp_bucket_cap_mb, **ddp_kwargs)
         self.comm_state = AutotuneState(
             policy, self.module, self.process_group, compress_from_step=compress_from_step,
             guard=guard, native=native,
@@ -161,12 +164,15 @@ class AutotuneDDP(DistributedDataParallel):
 
         self.reducer._remove_autograd_hooks()
         self._bucket_config = _BucketCapacityConfig.create(
-            bucket_cap_mb=bucket_cap_mb,  # type: ignore[arg-type]  # DDP takes a float too
+            # at DDP's default cap, DDP's default buckets, as the constructor made them
+            bucket_cap_mb=ddp_bucket_cap(bucket_cap_mb),  # type: ignore[arg-type]  # a float too
             bucket_cap_mb_list=None,
             use_python_reducer=self._use_python_reducer,
         )
         self.bucket_bytes_cap = self._bucket_config.bucket_bytes_cap
         self.bucket_bytes_cap_list = []
+        self.bucket_bytes_cap_default = (self._bucket_config.first_bucket_bytes_cap
+                                         < self._bucket_config.bucket_bytes_cap)
         parameters, expect_sparse = self._build_params_for_reducer()
         names = self._build_debug_param_to_name_mapping(parameters)
         self._ddp_init_helper(parameters, expect_sparse, names, False)
