@@ -16,8 +16,15 @@ and 4, error feedback and warm start, as users run it), at the error the codec p
 measured for the same method: what a budget must admit to allow what users already run.
 Needs root. Writes JSON and prints a table.
 
-    python bench/convergence.py [--epochs 12] [--budgets 0.2,0.4,0.6,0.8,1.0]
-                                [--stress-link 1mbit] [--seeds 0,1,2]
+``--workload transformer`` asks the same of the GPT-style transformer, whose PowerSGD
+errors are higher than digits' (rank 4: ~0.74): an "epoch" is then ``--steps-per-epoch``
+steps of generated sequences, accuracy is next-token accuracy on held-out ones. Run as
+the 100 Mbit cell of bench/tuned_vs_baselines.py sees it, on a faster live link for
+time: ``--workload transformer --rate 1gbit --stress-link 100mbit --budgets 0.6,0.8``.
+
+    python bench/convergence.py [--workload digits|transformer] [--epochs 12]
+                                [--budgets 0.2,0.4,0.6,0.8,1.0] [--stress-link 1mbit]
+                                [--seeds 0,1,2] [--steps-per-epoch 25]
 """
 
 from __future__ import annotations
@@ -46,10 +53,12 @@ from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
 
 def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
-               lr: float = 0.1, stock_powersgd_rank: int | None = None) -> dict[str, Any]:
-    """Train digits under ``policy`` (None: plain DDP, or PyTorch's own PowerSGD hook at
-    ``stock_powersgd_rank``, registered as its docs show, with error feedback and warm
-    start); accuracy and time per epoch."""
+               lr: float = 0.1, stock_powersgd_rank: int | None = None,
+               workload: str = "digits", steps_per_epoch: int | None = None) -> dict[str, Any]:
+    """Train ``workload`` (digits or transformer) under ``policy`` (None: plain DDP, or
+    PyTorch's own PowerSGD hook at ``stock_powersgd_rank``, registered as its docs show,
+    with error feedback and warm start); held-out accuracy and time per epoch (for
+    transformer, whose data is generated, an "epoch" is ``steps_per_epoch`` steps)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -57,14 +66,14 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
     import autotune
     from autotune.launch import set_rank_threads
     from autotune.policies import Policy
-    from autotune.workloads import digits
+    from autotune.workloads import digits, transformer
 
     set_rank_threads()
-    work = digits(seed=seed)
+    work = digits(seed=seed) if workload == "digits" else transformer(seed=seed)
     if policy is not None:
         model = autotune.wrap(work.model, Policy.from_dict(policy))
     else:
-        model = DistributedDataParallel(work.model)  # digits: one bucket, as gloo needs
+        model = DistributedDataParallel(work.model)  # one bucket (3.3 MB at most), as gloo needs
         if stock_powersgd_rank is not None:
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=stock_powersgd_rank,
@@ -72,8 +81,9 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
                 warm_start=True)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(work.model.parameters(), lr=lr, momentum=0.9)
-    # digits' training split (1797 images, a quarter held out) over the global batch.
-    steps_per_epoch = (1797 - math.ceil(0.25 * 1797)) // (32 * dist.get_world_size())
+    if steps_per_epoch is None:
+        # digits' training split (1797 images, a quarter held out) over the global batch.
+        steps_per_epoch = (1797 - math.ceil(0.25 * 1797)) // (32 * dist.get_world_size())
     accuracy, seconds = [], []
     elapsed = 0.0
     step = 0
@@ -101,6 +111,9 @@ def _time_to(target: float, run: dict[str, Any]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("digits", "transformer"), default="digits")
+    parser.add_argument("--steps-per-epoch", type=int, default=25,
+                        help="transformer's steps between evaluations (digits: its training split)")
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in sorted({0.2, 0.4, DEFAULT_MAX_ERROR, 0.8, 1.0})))
@@ -108,14 +121,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="what-if link the stress rows are tuned for ('' for none)")
     parser.add_argument("--seeds", default="0,1,2", help="training seeds, paired across runs")
     parser.add_argument("--target", type=float, default=0.93, help="accuracy to time")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/convergence.json"))
+    parser.add_argument("--out", type=Path,
+                        help="default: bench/results/convergence.json (digits), "
+                             "convergence_transformer.json")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("bench/results/" + ("convergence.json" if args.workload == "digits"
+                                            else f"convergence_{args.workload}.json"))
+    steps_per_epoch = None if args.workload == "digits" else args.steps_per_epoch
     console = Console(width=200)
     budgets = [float(b) for b in args.budgets.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     policies: dict[str, Any] = {"ddp": {"policy": None}}
     with EmulatedCluster(2, parse_link(args.rate)) as cluster:
-        profile = profile_job(cluster, workload="digits", budget_s=30.0, link=args.rate)
+        profile = profile_job(cluster, workload=args.workload, budget_s=30.0, link=args.rate)
         stress = (WhatIf(bandwidth_bps=parse_link(args.stress_link).rate_bps)
                   if args.stress_link else None)
         configs = [(f"tuned@{b:g}", b, None) for b in budgets]
@@ -144,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, entry in policies.items():
                 run = launch("convergence:rank_train", placement=cluster, timeout=1800,
                              kwargs={"policy": entry["policy"], "epochs": args.epochs,
-                                     "seed": seed,
+                                     "seed": seed, "workload": args.workload,
+                                     "steps_per_epoch": steps_per_epoch,
                                      "stock_powersgd_rank": entry.get("stock_powersgd_rank")})[0]
                 runs[name].append(run)
                 console.print(f"seed {seed} {name}: final accuracy {run['accuracy'][-1]:.3f}")
@@ -168,12 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             "target_reached": f"{len(reached)}/{len(seeded)}",
             **entry, "runs": seeded,
         })
-    out = {"benchmark": "convergence", "workload": "digits", "rate": args.rate, "epochs": args.epochs,
+    out = {"benchmark": "convergence", "workload": args.workload, "rate": args.rate,
+           "epochs": args.epochs, "steps_per_epoch": steps_per_epoch,
            "seeds": seeds, "stress_link": args.stress_link,
            "target_accuracy": args.target, "default_max_error": DEFAULT_MAX_ERROR, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps(out, indent=1), AutotuneError, "benchmark results")
-    table = Table(title=f"digits, 2 hosts at {args.rate}, {args.epochs} epochs, seeds {args.seeds}"
+    table = Table(title=f"{args.workload}, 2 hosts at {args.rate}, {args.epochs} epochs"
+                        + (f" of {steps_per_epoch} steps" if steps_per_epoch else "")
+                        + f", seeds {args.seeds}"
                         f" (paired: same split, weights and shuffling per seed)")
     for col in ("run", "policy error", "chosen", "compressors", "final accuracy (mean)",
                 "vs DDP points (mean)", "vs DDP points (worst)", "train s (median)",

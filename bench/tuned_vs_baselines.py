@@ -50,7 +50,7 @@ from autotune.probes.run import profile_job
 from autotune.search.defaults import candidate_pool
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 from autotune.search.verify import DEFAULT_BUDGET_S, DEFAULT_CANDIDATES, learned, verify_result
-from autotune.trials import separated_tau
+from autotune.trials import ratio_interval, separated_tau
 
 BUCKET_CAPS_MB = (1.0, 5.0, 100.0)  # DDP's bucket size alone, beside its 25 MB default
 STOCK = [p for p in PRESETS if p.stock_setup("gloo") is not None]
@@ -229,7 +229,7 @@ def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
     """Print the table of ``cells`` and the targets' summary line."""
     table = Table(title="measured median step time (ms), 2 ranks, interleaved")
     cols = ["link", "workload", "ddp", "best bucket", "fp16", "psgd1", "psgd4", "tuned", "floor",
-            "tuned/best", "tuned/best in budget", "tuned/worst-case", "ddp/tuned", "chosen", "error",
+            "tuned/best", "tuned/best in budget", "tuned/worst-case [95%]", "ddp/tuned", "chosen", "error",
             "model on link: ratio err, tau (apart)", "held out: ratio err, tau (apart)",
             "held out, described", "profile+tune+verify s"]
     for col in cols:
@@ -242,16 +242,19 @@ def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
         return (f"{a['median_ratio_error']:.1%}, " + ("-" if tau is None else f"{tau:.2f}")
                 + ("" if sep is None else f" ({sep:.2f})"))
 
+    worst_interval = {}  # per cell: the bootstrap interval of tuned / its worst-case baseline
     for c in cells:
         m = c["medians_s"]
         worst = max(c["tuned_vs_each"].items(), key=lambda kv: kv[1])
+        steps = {r["name"]: r["step_s"] for r in c["results"]}
+        low, high = worst_interval[id(c)] = ratio_interval(steps["tuned"], steps[worst[0]])
         table.add_row(c["link"], c["workload"], f"{m['ddp'] * 1e3:.0f}",
                       f"{m[c['best_bucket']] * 1e3:.0f} ({c['best_bucket']})", f"{m['fp16'] * 1e3:.0f}",
                       f"{m['powersgd1'] * 1e3:.0f}", f"{m['powersgd4'] * 1e3:.0f}",
                       f"{m['tuned'] * 1e3:.0f}", f"{m['floor'] * 1e3:.0f}",
                       f"{c['tuned_vs_best_baseline']:.3f} ({c['best_baseline']})",
                       f"{c['tuned_vs_best_within_budget']:.3f} ({c['best_within_budget']})",
-                      f"{worst[1]:.3f} ({worst[0]})",
+                      f"{worst[1]:.3f} ({worst[0]}) [{low:.2f}-{high:.2f}]",
                       f"{c['speedup_vs_ddp']:.2f}x", c["chosen"], f"{c['error']:.2f}",
                       accuracy(c["model_accuracy_on_link"]), accuracy(c.get("model_accuracy_held_out")),
                       accuracy((c.get("model_accuracy_held_out") or {}).get("described")),
@@ -270,7 +273,9 @@ def report(console: Console, cells: list[dict[str, Any]], verify: int) -> None:
     console.print(f"tuned/best within budget: median {statistics.median(in_budget):.3f} (target <= 1.00); "
                   f"worst tuned/any baseline {max(max(c['tuned_vs_each'].values()) for c in cells):.3f}, "
                   f"within budget {max(within):.3f} (target <= 1.03 unless that baseline is over "
-                  "budget and loses accuracy)"
+                  "budget and loses accuracy); cells above 1.03 by median "
+                  f"{sum(max(c['tuned_vs_each'].values()) > 1.03 for c in cells)}, of them beyond "
+                  f"noise (95% interval above 1) {sum(worst_interval[id(c)][0] > 1.0 for c in cells)}"
                   + (f"; tuned/ddp on unshaped and 4gbit at most {max(fast):.3f} (target <= 1.02)" if fast else "")
                   + (f"; held-out median ratio error {statistics.median(h['median_ratio_error'] for h in held):.1%}"
                      f" (target <= 5%), tau {statistics.median(h['kendall_tau_baselines'] for h in held):.2f}"
