@@ -73,8 +73,13 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
     if policy is not None:
         model = autotune.wrap(work.model, Policy.from_dict(policy))
     else:
-        model = DistributedDataParallel(work.model)  # one bucket (3.3 MB at most), as gloo needs
-        if stock_powersgd_rank is not None:
+        if stock_powersgd_rank is None:
+            model = DistributedDataParallel(work.model)
+        else:
+            # one bucket: on gloo the stock hook deadlocks or aborts with two, and DDP's
+            # default splits the transformer's 3.1 MiB into 1 MiB and the rest
+            size_mb = sum(p.numel() * p.element_size() for p in work.model.parameters()) / 2**20
+            model = DistributedDataParallel(work.model, bucket_cap_mb=size_mb + 1.0)
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=stock_powersgd_rank,
                 start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
