@@ -25,6 +25,7 @@ time: ``--workload transformer --rate 1gbit --stress-link 100mbit --budgets 0.6,
     python bench/convergence.py [--workload digits|transformer] [--epochs 12]
                                 [--budgets 0.2,0.4,0.6,0.8,1.0] [--stress-link 1mbit]
                                 [--seeds 0,1,2] [--steps-per-epoch 25]
+                                [--policy NAME=policy.json ...]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from autotune.jsonio import write_atomic
 from autotune.launch import launch
 from autotune.links import parse_link
 from autotune.models.simulator import WhatIf
+from autotune.policies import load_policy
 from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stress-link", default="1mbit",
                         help="what-if link the stress rows are tuned for ('' for none)")
     parser.add_argument("--seeds", default="0,1,2", help="training seeds, paired across runs")
+    parser.add_argument("--policy", action="append", default=[], metavar="NAME=FILE",
+                        help="also train this policy file (e.g. one a tuned_vs_baselines cell "
+                             "emitted), at the error its meta records; repeatable")
     parser.add_argument("--target", type=float, default=0.93, help="accuracy to time")
     parser.add_argument("--out", type=Path,
                         help="default: bench/results/convergence.json (digits), "
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                             else f"convergence_{args.workload}.json"))
     steps_per_epoch = None if args.workload == "digits" else args.steps_per_epoch
     console = Console(width=200)
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = [float(b) for b in args.budgets.split(",") if b]
     seeds = [int(s) for s in args.seeds.split(",")]
     policies: dict[str, Any] = {"ddp": {"policy": None}}
     with EmulatedCluster(2, parse_link(args.rate)) as cluster:
@@ -145,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         configs = [(f"tuned@{b:g}", b, None) for b in budgets]
         if stress is not None:
             configs += [(f"stress@{b:g}", b, stress) for b in budgets]
+        for name, path in (item.split("=", 1) for item in args.policy):
+            policy = load_policy(path)
+            used = sorted({spec.label() for spec in (policy.default, *policy.layers.values())})
+            policies[name] = {"policy": policy.to_dict(), "chosen": f"file {path}",
+                              "compressors": "+".join(used), "error": policy.meta.get("error", 0.0)}
+        # the baselines' errors come from a tuning result (a short one if none is asked for)
+        result = tune(profile, max_error=DEFAULT_MAX_ERROR, trials=20, seed=0) if not configs else None
         for name, budget, what_if in configs:
             result = tune(profile, max_error=budget, trials=150, seed=0, what_if=what_if)
             name += " (default)" if budget == DEFAULT_MAX_ERROR else ""

@@ -184,3 +184,21 @@ def test_tune_bad_flags_fail_in_one_line(tmp_path: Path, capsys, argv: list[str]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_starved_layer_scores_the_policy_at_its_own_error() -> None:
+    """The gradient-weighted error hides a small-norm layer that gets almost nothing
+    (top-k 0.1% on the transformer's block matrices scored 0.53 and never learned):
+    above STARVED_LAYER_ERROR a layer's own error is the policy's."""
+    from autotune.search.defaults import STARVED_LAYER_ERROR
+    from autotune.search.space import label_of
+
+    errors = ErrorModel(synthetic_profile("cnn", link_bps=1e8))
+    small = min(errors.weights, key=errors.weights.__getitem__)
+    policy = Policy.from_dict({"version": 1, "layers": {small: {"compressor": "topk"}}})
+    key = (label_of(policy.spec_for(small)), small)
+    errors.errors[key] = STARVED_LAYER_ERROR - 0.05  # weighted by its small norm
+    assert errors.of(policy) < 0.5 * errors.errors[key]
+    errors.errors[key] = 0.97  # starved
+    assert errors.of(policy) == 0.97
+    assert errors.of(Policy()) == 0.0

@@ -4,7 +4,7 @@ tune --help`` prints them."""
 from __future__ import annotations
 
 __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "DEFAULT_EXACT_MARGIN", "DEFAULT_MAX_ERROR",
-           "PRUNE_PREDICTED", "candidate_pool"]
+           "PRUNE_PREDICTED", "STARVED_LAYER_ERROR", "candidate_pool"]
 
 # The default compression-error budget; bench/convergence.py is its justification:
 # digits trained 12 epochs under policies of error <= 0.6 ends within a point of plain
@@ -12,6 +12,12 @@ __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "DEFAULT_EXACT_MARGIN", "DE
 # PyTorch's hook alike); error 0.70 (PowerSGD rank 1, PyTorch's own hook with error
 # feedback as users run it, or ours) loses 1.9-2.1 points (worst seed 2.4-3.1).
 DEFAULT_MAX_ERROR = 0.6
+# A layer whose own error is above this is starved (it receives almost none of its
+# gradient): a policy with one is scored at that layer's error, not the weighted one.
+# bench/convergence.py --workload transformer: the block matrices at 0.94-0.98 (top-k
+# 0.1%) left the model unable to learn (accuracy 0.45 vs 1.00); PowerSGD rank 4, no layer
+# above 0.80 (0.84 on the cnn), lost nothing. Between the two.
+STARVED_LAYER_ERROR = 0.85
 DEFAULT_CANDIDATES = 4  # tuned candidates verification measures (besides the presets)
 DEFAULT_BUDGET_S = 60.0  # measurement time after which the best median so far wins
 # An exact set-up (error 0: plain DDP, rowsparse, a lossless mix) measured within this

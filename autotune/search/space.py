@@ -15,7 +15,14 @@ whole gradient, weighted by the parameters' gradient norms::
 
     error(policy) = sqrt( sum_l (e_l * |g_l|)^2 ) / sqrt( sum_l |g_l|^2 )
 
-i.e. the relative error of the whole model's gradient if layers err independently.
+i.e. the relative error of the whole model's gradient if layers err independently,
+unless a layer is *starved*: its own error above :data:`~autotune.search.defaults.
+STARVED_LAYER_ERROR` (0.85). Then the policy's error is its worst layer's. The weighted
+sum alone lets layers of small gradient norm go almost unsent: top-k 0.1% on the
+transformer's 16 block matrices (30% of the gradient's energy, each at error 0.94-0.98)
+scored 0.53, inside the default budget, and the model never learned (next-token accuracy
+0.45 against plain DDP's 1.00 in 300 steps, bench/convergence.py), while PowerSGD rank 4,
+at 0.74 overall with no layer above 0.80, lost nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from autotune.presets import BUCKET_CAPS_MB
 from autotune.probes.codecs import ROW_SPARSE_BELOW
 from autotune.probes.profile import Profile
 from autotune.probes.sampling import CHOICES, SMALL
+from autotune.search.defaults import STARVED_LAYER_ERROR
 
 __all__ = ["Group", "SearchSpace", "ErrorModel", "TOPOLOGY", "label_of"]
 
@@ -209,13 +217,16 @@ class ErrorModel:
             ) from None
 
     def of(self, policy: Policy) -> float:
-        """The policy's error (0 = exact)."""
-        acc = 0.0
+        """The policy's error (0 = exact): the gradient-weighted one, or its worst
+        layer's where that layer is starved (its error above :data:`STARVED_LAYER_ERROR`)."""
+        acc, starved = 0.0, 0.0
         for name, w in self.weights.items():
             spec = policy.spec_for(name)
             e = self.layer_error(label_of(spec), name)
             acc += (e * w) ** 2
-        return math.sqrt(acc / self._total)
+            if e > STARVED_LAYER_ERROR:
+                starved = max(starved, e)
+        return max(math.sqrt(acc / self._total), starved)
 
     def contribution(self, label: str, name: str) -> float:
         """The squared-error share one layer adds under ``label``."""
