@@ -50,6 +50,7 @@ from autotune.launch import launch
 from autotune.links import parse_link
 from autotune.models.simulator import WhatIf
 from autotune.policies import load_policy
+from autotune.search.space import ErrorModel
 from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="training seeds, paired across runs")
     parser.add_argument("--policy", action="append", default=[], metavar="NAME=FILE",
                         help="also train this policy file (e.g. one a tuned_vs_baselines cell "
-                             "emitted), at the error its meta records; repeatable")
+                             "emitted), its error scored on this run's profile; repeatable")
     parser.add_argument("--target", type=float, default=0.93, help="accuracy to time")
     parser.add_argument("--out", type=Path,
                         help="default: bench/results/convergence.json (digits), "
@@ -153,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in (item.split("=", 1) for item in args.policy):
             policy = load_policy(path)
             used = sorted({spec.label() for spec in (policy.default, *policy.layers.values())})
+            # scored as the tuner scores it now, on this profile (its meta: when it was tuned)
             policies[name] = {"policy": policy.to_dict(), "chosen": f"file {path}",
-                              "compressors": "+".join(used), "error": policy.meta.get("error", 0.0)}
+                              "compressors": "+".join(used), "error": ErrorModel(profile).of(policy),
+                              "error_in_meta": policy.meta.get("error")}
         # the baselines' errors come from a tuning result (a short one if none is asked for)
         result = tune(profile, max_error=DEFAULT_MAX_ERROR, trials=20, seed=0) if not configs else None
         for name, budget, what_if in configs:
