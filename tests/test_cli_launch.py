@@ -301,3 +301,43 @@ def test_link_without_root_is_one_line_and_status_2(tmp_path: Path, script: Path
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("autotune: error: ") and proc.stderr.count("\n") == 1
     assert "needs root" in proc.stderr
+
+
+@pytest.mark.multirank
+def test_sigterm_ends_any_command_and_its_ranks(tmp_path: Path) -> None:
+    """Not only `launch`: `autotune profile` (or tune, bench, demo) stopped by SIGTERM,
+    as a scheduler stops a job, ends its ranks, writes nothing and says so (Python's
+    default would die at once and leave the ranks running)."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune", "profile", "--workload", "mlp", "--budget-s", "60",
+         "--out", "p.json"], cwd=tmp_path, env=dict(os.environ, LAUNCH_TEST_TOKEN=token),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+    def ranks() -> list[psutil.Process]:
+        found = []
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and "autotune.launch" in " ".join(p.cmdline()):
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while len(ranks()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.1)
+        started = ranks()
+        time.sleep(1.0)  # into the probes
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=GUARD_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr
+    assert "terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+    assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not (tmp_path / "p.json").exists()

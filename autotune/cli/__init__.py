@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
+from types import FrameType
 from typing import Iterable, Sequence
 
 from autotune._version import __version__
@@ -29,9 +32,11 @@ from autotune.cli._base import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     PROG,
     Formatter,
     Parser,
+    Terminated,
     UsageError,
 )
 from autotune.errors import AutotuneError, RankFailure
@@ -95,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status, for ``sys.exit(main())``.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    # SIGTERM (a scheduler's stop, `kill`) ends the command the way Ctrl-C does; without
+    # this, Python dies at once and leaves the ranks it launched running
+    old_term = (signal.signal(signal.SIGTERM, _on_sigterm)
+                if threading.current_thread() is threading.main_thread() else None)
     try:
         args = build_parser(_named(argv)).parse_args(argv)
         status = int(args.func(args))
@@ -115,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         _error(_os_error_message(exc))
         return EXIT_BAD_INPUT
+    except Terminated:
+        print(f"{PROG}: terminated (SIGTERM); its ranks were ended", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -124,6 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return exc.code or EXIT_OK
         print(exc.code, file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
 
 
 if __name__ == "__main__":

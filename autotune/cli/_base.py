@@ -14,6 +14,12 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived; raised from its handler, like Ctrl-C's KeyboardInterrupt, so that
+    every way out runs: ranks ended, emulated hosts removed, no half-written file."""
 
 PROG = "autotune"
 
