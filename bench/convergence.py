@@ -21,8 +21,9 @@ errors are higher than digits' (rank 4: ~0.74): an "epoch" is then ``--steps-per
 steps of generated sequences, accuracy is next-token accuracy on held-out ones. Run as
 the 100 Mbit cell of bench/tuned_vs_baselines.py sees it, on a faster live link for
 time: ``--workload transformer --rate 1gbit --stress-link 100mbit --budgets 0.6,0.8``.
+``--workload cnn`` likewise (held-out accuracy on its synthetic images, lr 0.02).
 
-    python bench/convergence.py [--workload digits|transformer] [--epochs 12]
+    python bench/convergence.py [--workload digits|transformer|cnn] [--epochs 12]
                                 [--budgets 0.2,0.4,0.6,0.8,1.0] [--stress-link 1mbit]
                                 [--seeds 0,1,2] [--steps-per-epoch 25]
                                 [--policy NAME=policy.json ...]
@@ -55,13 +56,17 @@ from autotune.probes.run import profile_job
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
 
+# SGD's learning rate (momentum 0.9) per workload, as each workload's docstring trains it
+LR = {"digits": 0.1, "transformer": 0.1, "cnn": 0.02}
+
+
 def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
                lr: float = 0.1, stock_powersgd_rank: int | None = None,
                workload: str = "digits", steps_per_epoch: int | None = None) -> dict[str, Any]:
-    """Train ``workload`` (digits or transformer) under ``policy`` (None: plain DDP, or
+    """Train ``workload`` (digits, transformer or cnn) under ``policy`` (None: plain DDP, or
     PyTorch's own PowerSGD hook at ``stock_powersgd_rank``, registered as its docs show,
     with error feedback and warm start); held-out accuracy and time per epoch (for
-    transformer, whose data is generated, an "epoch" is ``steps_per_epoch`` steps)."""
+    transformer and cnn, whose data is generated, an "epoch" is ``steps_per_epoch`` steps)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -69,10 +74,10 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
     import autotune
     from autotune.launch import set_rank_threads
     from autotune.policies import Policy
-    from autotune.workloads import digits, transformer
+    from autotune.workloads import cnn, digits, transformer
 
     set_rank_threads()
-    work = digits(seed=seed) if workload == "digits" else transformer(seed=seed)
+    work = {"digits": digits, "transformer": transformer, "cnn": cnn}[workload](seed=seed)
     if policy is not None:
         model = autotune.wrap(work.model, Policy.from_dict(policy))
     else:
@@ -119,9 +124,9 @@ def _time_to(target: float, run: dict[str, Any]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("digits", "transformer"), default="digits")
+    parser.add_argument("--workload", choices=tuple(LR), default="digits")
     parser.add_argument("--steps-per-epoch", type=int, default=25,
-                        help="transformer's steps between evaluations (digits: its training split)")
+                        help="steps between evaluations (digits: its training split)")
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--budgets", default=",".join(f"{b:g}" for b in sorted({0.2, 0.4, DEFAULT_MAX_ERROR, 0.8, 1.0})))
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = launch("convergence:rank_train", placement=cluster, timeout=1800,
                              kwargs={"policy": entry["policy"], "epochs": args.epochs,
                                      "seed": seed, "workload": args.workload,
+                                     "lr": LR[args.workload],
                                      "steps_per_epoch": steps_per_epoch,
                                      "stock_powersgd_rank": entry.get("stock_powersgd_rank")})[0]
                 runs[name].append(run)
