@@ -216,10 +216,9 @@ def budget_line(max_error: float) -> str:
     """What the error budget in force means, from bench/convergence.py."""
     line = f"error budget {max_error:g}"
     if max_error == DEFAULT_MAX_ERROR:
-        line += (" (the default: on digits, policies up to it trained within a point of plain "
-                 "DDP; PowerSGD rank 1, ours or PyTorch's hook, at error 0.70 lost 2; on the "
-                 "transformer its policy lost nothing, PowerSGD rank 1 at 0.94 lost 12; see "
-                 "bench/convergence.py)")
+        line += (" (the default: its policies lost 1.0 point of accuracy on digits, 0.8-2.3 on "
+                 "the cnn and none on the transformer; PowerSGD rank 1 at 0.70-0.95 lost 2, 42 "
+                 "and 12; see bench/convergence.py)")
     return line
 
 
