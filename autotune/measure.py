@@ -31,7 +31,7 @@ from autotune.runtime import wrap as runtime_wrap
 from autotune.trials import ratio_interval
 from autotune.workloads import resolve_workload
 
-__all__ = ["Setup", "bench_setups", "rank_measure", "run_bench", "summarize"]
+__all__ = ["Setup", "bench_setups", "one_bucket_cap_mb", "rank_measure", "run_bench", "summarize"]
 
 # What a set-up is: plain DDP, a policy applied by autotune's hook, one of PyTorch's own
 # communication hooks, the compute-only floor.
@@ -153,6 +153,15 @@ class _HookTimer:
         return timed_hook
 
 
+def one_bucket_cap_mb(module: torch.nn.Module) -> float:
+    """A ``bucket_cap_mb`` that puts all of ``module``'s parameters in one DDP bucket.
+
+    PyTorch's PowerSGD hook issues collectives from future callbacks, which deadlocks or
+    aborts on gloo as soon as DDP has two buckets (DDP's default splits even a 3 MiB
+    model in two); on gloo it runs with this cap."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20 + 1.0
+
+
 def _stock_hook(
     setup: Setup, module: torch.nn.Module
 ) -> tuple[DistributedDataParallel, str, _HookTimer, Any]:
@@ -163,10 +172,7 @@ def _stock_hook(
     caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
     note = ""
     if setup.hook == "powersgd" and dist.get_backend() == "gloo":
-        # The stock hook issues collectives from future callbacks, which deadlocks or
-        # aborts on gloo as soon as DDP has two buckets: give it one bucket.
-        size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
-        caps = {"bucket_cap_mb": size_mb + 1.0}
+        caps = {"bucket_cap_mb": one_bucket_cap_mb(module)}
         note = ("stock powerSGD_hook run with one bucket: on gloo it deadlocks or aborts with "
                 "two or more")
     model = DistributedDataParallel(module, init_sync=False, **caps)

@@ -11,13 +11,16 @@ the error budget measured faster), the profile's calibration, the codec probe (w
 measures their compressors whatever its budget), ``autotune simulate``, ``bench``,
 ``demo`` and the report.
 
-Plain data only: importable from any layer without torch.
+Plain data only (and the policies' constant of DDP's default cap): importable from any
+layer without torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from autotune.policies.policy import DDP_DEFAULT_BUCKET_CAP_MB
 
 __all__ = [
     "Preset",
@@ -28,7 +31,7 @@ __all__ = [
     "preset",
 ]
 
-DDP_BUCKET_CAP_MB = 25.0  # DistributedDataParallel's default bucket_cap_mb
+DDP_BUCKET_CAP_MB = DDP_DEFAULT_BUCKET_CAP_MB  # DistributedDataParallel's default bucket_cap_mb
 # The bucket caps (MB) the search tries: DDP's 25 and a spread around it.
 BUCKET_CAPS_MB: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0)
 

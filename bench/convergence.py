@@ -51,8 +51,8 @@ from autotune.launch import launch
 from autotune.links import parse_link
 from autotune.models.simulator import WhatIf
 from autotune.policies import load_policy
-from autotune.search.space import ErrorModel
 from autotune.probes.run import profile_job
+from autotune.search.space import ErrorModel
 from autotune.search.tuner import DEFAULT_MAX_ERROR, tune
 
 
@@ -74,20 +74,18 @@ def rank_train(policy: dict[str, Any] | None, epochs: int, seed: int = 0,
     import autotune
     from autotune.launch import set_rank_threads
     from autotune.policies import Policy
-    from autotune.workloads import cnn, digits, transformer
+    from autotune.measure import one_bucket_cap_mb
+    from autotune.workloads import BUILTINS
 
     set_rank_threads()
-    work = {"digits": digits, "transformer": transformer, "cnn": cnn}[workload](seed=seed)
+    work = BUILTINS[workload](seed=seed)  # type: ignore[call-arg]  # the built-ins take seed
     if policy is not None:
         model = autotune.wrap(work.model, Policy.from_dict(policy))
     else:
         if stock_powersgd_rank is None:
             model = DistributedDataParallel(work.model)
         else:
-            # one bucket: on gloo the stock hook deadlocks or aborts with two, and DDP's
-            # default splits the transformer's 3.1 MiB into 1 MiB and the rest
-            size_mb = sum(p.numel() * p.element_size() for p in work.model.parameters()) / 2**20
-            model = DistributedDataParallel(work.model, bucket_cap_mb=size_mb + 1.0)
+            model = DistributedDataParallel(work.model, bucket_cap_mb=one_bucket_cap_mb(work.model))
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=stock_powersgd_rank,
                 start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.93, help="accuracy to time")
     parser.add_argument("--out", type=Path,
                         help="default: bench/results/convergence.json (digits), "
-                             "convergence_transformer.json")
+                             "convergence_<workload>.json (the others)")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("bench/results/" + ("convergence.json" if args.workload == "digits"
@@ -156,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         configs = [(f"tuned@{b:g}", b, None) for b in budgets]
         if stress is not None:
             configs += [(f"stress@{b:g}", b, stress) for b in budgets]
+        errors = ErrorModel(profile)
         for name, path in (item.split("=", 1) for item in args.policy):
             policy = load_policy(path)
             used = sorted({spec.label() for spec in (policy.default, *policy.layers.values())})
             # scored as the tuner scores it now, on this profile (its meta: when it was tuned)
             policies[name] = {"policy": policy.to_dict(), "chosen": f"file {path}",
-                              "compressors": "+".join(used), "error": ErrorModel(profile).of(policy),
+                              "compressors": "+".join(used), "error": errors.of(policy),
                               "error_in_meta": policy.meta.get("error")}
         # the baselines' errors come from a tuning result (a short one if none is asked for)
         result = tune(profile, max_error=DEFAULT_MAX_ERROR, trials=20, seed=0) if not configs else None

@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from autotune.policies.policy import DDP_DEFAULT_BUCKET_CAP_MB
+
 __all__ = ["MIB", "DEFAULT_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "ParamInfo", "ddp_buckets"]
 
 MIB = 1024 * 1024
-DEFAULT_CAP_MB = 25.0
+DEFAULT_CAP_MB = DDP_DEFAULT_BUCKET_CAP_MB
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 

@@ -123,7 +123,7 @@ class Policy:
             it runs flat. Written to JSON only when not flat.
     """
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = DDP_DEFAULT_BUCKET_CAP_MB
     default: CompressorSpec = CompressorSpec("none")
     layers: Mapping[str, CompressorSpec] = field(default_factory=lambda: MappingProxyType({}))
     meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -201,7 +201,7 @@ class Policy:
         if type(version) is not int or version != POLICY_VERSION:
             _fail(source, "version", f"expected {POLICY_VERSION}, got {reprlib.repr(version)}")
 
-        bucket_cap_mb = _bucket_cap(data.get("bucket_cap_mb", 25.0), source)
+        bucket_cap_mb = _bucket_cap(data.get("bucket_cap_mb", DDP_DEFAULT_BUCKET_CAP_MB), source)
         topology = _topology(data.get("topology", "flat"), source)
         default = _parse_spec(data.get("default", {"compressor": "none"}), source, "default")
 
@@ -221,7 +221,8 @@ class Policy:
                    topology=topology)
 
     @classmethod
-    def uniform(cls, compressor: str, bucket_cap_mb: float = 25.0, **params: Any) -> Policy:
+    def uniform(cls, compressor: str, bucket_cap_mb: float = DDP_DEFAULT_BUCKET_CAP_MB,
+                **params: Any) -> Policy:
         """A policy in which every parameter uses one compressor.
 
         Args:
