@@ -1,5 +1,7 @@
 """The large-tensor paths of topk, int8 and sign (chunked passes, top-k's sampled
-threshold), which the small shapes of test_compressors do not reach."""
+threshold), which the small shapes of test_compressors do not reach; each test runs on
+both CPU forms of these codecs: the compiled kernels and the torch operations (the form a
+GPU runs)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,26 @@ import torch
 from autotune import compressors
 from autotune.compressors import LocalComm
 from autotune.compressors import int8 as int8_module
+from autotune.compressors import kernels
 from autotune.compressors import sign as sign_module
 from autotune.compressors import topk as topk_module
 
 # above topk.EXACT_BELOW; several chunks of every module's CHUNK, plus ragged tails
 SIZES = [40_000, 3 * topk_module.CHUNK + 1_001]
+
+
+@pytest.fixture(autouse=True, params=["kernels", "torch"])
+def codec_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which form the codecs take: AUTOTUNE_KERNELS=torch forces the torch operations."""
+    if request.param == "torch":
+        monkeypatch.setenv(kernels.ENV, "torch")
+    else:
+        monkeypatch.delenv(kernels.ENV, raising=False)
+    kernels.available.cache_clear()
+    if request.param == "kernels" and not kernels.available():
+        pytest.skip("numba is not installed: the codecs' compiled kernels cannot run")
+    yield request.param
+    kernels.available.cache_clear()
 
 
 def _grad(n: int, seed: int = 0) -> torch.Tensor:

@@ -12,7 +12,9 @@ seeded shuffle), at a random circular offset drawn per chunk of :data:`CHUNK` el
 from the (seed, rank, step, name) generator. Each element's ``u`` is then uniform over
 the 256 values, so the rounding is unbiased to within 1/512 of a level, and independent
 between steps and ranks (offsets differ); within a chunk, elements get distinct table
-entries. Everything runs chunk by chunk in cache, with no full-size temporary.
+entries. Everything runs chunk by chunk in cache, with no full-size temporary; on a
+CPU encoding and decoding are each one compiled loop (:mod:`autotune.compressors.kernels`)
+with the same arithmetic, so the same codes and sums.
 
 Collective: **all_gather**, not allreduce. Ranks quantise with their own scales, and a
 sum of int8 codes from W ranks would overflow 8 bits; summing in a wider type would send
@@ -26,9 +28,11 @@ import math
 import zlib
 from typing import Any, ClassVar, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from autotune.compressors.base import REGISTRY, Collective, Compressor, Shape, numel, register
+from autotune.compressors import kernels
 from autotune.compressors.comm import Comm
 from autotune.errors import CompressorError
 
@@ -114,17 +118,20 @@ class Int8(Compressor):
         n_blocks = sum(self._blocks(n) for n in sizes)
         payload = self._payload(n_codes + 4 * n_blocks, device)
         scales = torch.empty(n_blocks, dtype=torch.float32, device=device)
+        fused = kernels.use_for(payload)
         c_off = s_off = 0
         for t, name, n in zip(tensors, names, sizes):
             nb = self._blocks(n)
-            self._encode(t, name, comm.rank, payload[c_off : c_off + n], scales[s_off : s_off + nb])
+            self._encode(t, name, comm.rank, payload[c_off : c_off + n], scales[s_off : s_off + nb],
+                         fused)
             c_off += n
             s_off += nb
-        # the codes were written as the low byte of level + 128: flipping the top bit
-        # makes them level, as int8 (one pass over bytes instead of one over int32s)
-        payload[:n_codes].view(torch.uint8).bitwise_xor_(0x80)
+        if not fused:
+            # the codes were written as the low byte of level + 128: flipping the top bit
+            # makes them level, as int8 (one pass over bytes instead of one over int32s)
+            payload[:n_codes].view(torch.uint8).bitwise_xor_(0x80)
         payload[n_codes:] = scales.view(torch.int8)
-        gathered = comm.all_gather(payload)  # (W, n_codes + 4 * blocks)
+        gathered = comm.all_gather(payload).contiguous()  # (W, n_codes + 4 * blocks)
         # scaled once per block: the average is sum_w code_w * scale_w / (LEVELS * W)
         all_scales = gathered[:, n_codes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
         all_scales.div_(LEVELS * comm.world_size)
@@ -132,7 +139,10 @@ class Int8(Compressor):
         for t, n in zip(tensors, sizes):
             direct = t.dtype == torch.float32 and t.is_contiguous()
             out = t.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=device)
-            for start, blocks, width in self._pieces(n):
+            if fused:
+                kernels.get().int8_decode(kernels.array(gathered), c_off, kernels.array(all_scales),
+                                          s_off, self.config["block"], kernels.array(out))
+            for start, blocks, width in [] if fused else self._pieces(n):
                 b0 = s_off + start // self.config["block"]
                 part = out[start : start + blocks * width].view(blocks, width)
                 for w in range(comm.world_size):
@@ -148,9 +158,10 @@ class Int8(Compressor):
             s_off += self._blocks(n)
 
     def _encode(self, t: torch.Tensor, name: str, rank: int, codes: torch.Tensor,
-                scales: torch.Tensor) -> None:
+                scales: torch.Tensor, fused: bool) -> None:
         """Quantise ``t`` into ``codes`` (int8, numel: each the low byte of its level +
-        128, which :meth:`reduce` turns into the level) and ``scales`` (fp32, blocks)."""
+        128, which :meth:`reduce` turns into the level; ``fused``: the level itself, by
+        the compiled kernel) and ``scales`` (fp32, blocks)."""
         x = t.detach().reshape(-1)
         if x.dtype != torch.float32:
             x = x.float()
@@ -159,14 +170,23 @@ class Int8(Compressor):
         longest = max(blocks * width for _, blocks, width in pieces)
         table = self._table(longest, x.device)
         period = table.numel() // 2
+        gen = self._generator(name, rank, x.device)
+        offsets = torch.randint(period, (len(pieces),), generator=gen, device=x.device).tolist()
+        tiny = torch.finfo(torch.float32).tiny
+        if fused:
+            # per piece: start, blocks, width, noise offset (rows, each contiguous)
+            spans = np.array([(start, blocks, width, offset) for (start, blocks, width), offset
+                              in zip(pieces, offsets)], dtype=np.int64).T.copy()
+            kernels.get().int8_encode(
+                kernels.array(x.contiguous()), self.config["block"], kernels.array(table),
+                spans[0], spans[1], spans[2], spans[3], np.float32(LEVELS),
+                np.float32(tiny), kernels.array(codes.view(torch.uint8)), kernels.array(scales))
+            return
         scratch = self._scratch.get(str(x.device))
         if scratch is None or scratch[0].numel() < longest:
             scratch = (torch.empty(longest, dtype=torch.float32, device=x.device),
                        torch.empty(longest, dtype=torch.int32, device=x.device))
             self._scratch[str(x.device)] = scratch
-        gen = self._generator(name, rank, x.device)
-        offsets = torch.randint(period, (len(pieces),), generator=gen, device=x.device).tolist()
-        tiny = torch.finfo(torch.float32).tiny
         for (start, blocks, width), offset in zip(pieces, offsets):
             size = blocks * width
             xb = x[start : start + size].view(blocks, width)

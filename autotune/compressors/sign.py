@@ -12,6 +12,8 @@ first adds the gradient into the residual in place, sums ``|M|`` and packs the s
 bits with integer operations (8 sign bits gathered into a byte by one 64-bit multiply);
 the second, once the scale is known, leaves the residual ``M - scale * sign(M)`` in
 place. Decoding looks each byte up in a 256 x 8 table of ``+-scale / W`` per rank.
+On a CPU the same two passes and the decoding each run as one compiled loop
+(:mod:`autotune.compressors.kernels`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from autotune.compressors.base import (
     numel,
     register,
 )
+from autotune.compressors import kernels
 from autotune.compressors.comm import Comm
 
 __all__ = ["Sign"]
@@ -104,7 +107,7 @@ class Sign(ErrorFeedbackCompressor):
             scales[i] = self._encode(t, name, payload[offset : offset + nb])
             offset += nb
         payload[n_packed:] = scales.view(torch.uint8)
-        gathered = comm.all_gather(payload)  # (W, n_packed + 4 * len(tensors))
+        gathered = comm.all_gather(payload).contiguous()  # (W, n_packed + 4 * len(tensors))
         world = comm.world_size
         all_scales = gathered[:, n_packed:].clone(memory_format=torch.contiguous_format).view(torch.float32)
         signs = _signs(device)
@@ -114,6 +117,13 @@ class Sign(ErrorFeedbackCompressor):
             tables = signs.unsqueeze(0) * (all_scales[:, i] / world).view(world, 1, 1)
             direct = t.dtype == torch.float32 and t.is_contiguous()
             out = t.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=device)
+            if kernels.use_for(out):
+                kernels.get().sign_decode(kernels.array(gathered), offset, kernels.array(tables),
+                                          kernels.array(out))
+                if not direct:
+                    t.copy_(out.view_as(t))
+                offset += nb
+                continue
             whole = (n // 8) * 8
             for start in range(0, whole, CHUNK):
                 size = min(CHUNK, whole - start)
@@ -139,6 +149,8 @@ class Sign(ErrorFeedbackCompressor):
         n = grad.numel()
         ef = self.memory.enabled
         m, add = self._compensated_flat(name, grad)
+        if kernels.use_for(m):
+            return self._encode_fused(m, add, packed)
         scratch = self._scratch.get(str(m.device))
         if scratch is None:
             scratch = (torch.empty(CHUNK, dtype=torch.int32, device=m.device),
@@ -161,4 +173,17 @@ class Sign(ErrorFeedbackCompressor):
                 bits = scratch[0][: chunk.numel()]
                 torch.bitwise_and(chunk.view(torch.int32), _SIGN_BIT, out=bits).bitwise_or_(scale_bits)
                 chunk.sub_(bits.view(torch.float32))
+        return scale
+
+    def _encode_fused(self, m: torch.Tensor, add: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
+        """:meth:`_encode`'s two passes as compiled loops (a CPU tensor)."""
+        k = kernels.get()
+        if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
+            add = add.to(torch.float32, memory_format=torch.contiguous_format)
+        m_np = kernels.array(m)
+        add_np = kernels.array(add) if add is not None else m_np[:0]
+        total = k.sign_encode(m_np, add_np, add is not None, kernels.array(packed))
+        scale = torch.tensor(total / max(m.numel(), 1), dtype=torch.float32)
+        if self.memory.enabled:
+            k.sign_residual(m_np, scale.numpy()[()])
         return scale

@@ -36,6 +36,10 @@ case (3. below):
 The error feedback is kept in place: the residual buffer holds the compensated
 gradient, and the sent entries are zeroed in it, so no full-size temporary is made.
 Indices stay in ascending order, so that decoding sweeps the output forwards.
+
+On a CPU, step 2 is one compiled loop over the tensor, and step 3 (with a partial sort,
+``np.partition``) and the decoding are compiled too (:mod:`autotune.compressors.kernels`):
+the same selection, without ``nonzero``'s cost per element.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 
 from autotune.compressors.base import (
@@ -54,6 +59,7 @@ from autotune.compressors.base import (
     numel,
     register,
 )
+from autotune.compressors import kernels
 from autotune.compressors.comm import Comm
 
 __all__ = ["TopK"]
@@ -124,8 +130,16 @@ class TopK(ErrorFeedbackCompressor):
         for t, k, d in zip(tensors, ks, direct):
             # the W payloads, averaged: scaled first, on W k values rather than numel
             values = gathered[:, start : start + k].view(torch.float32).div(comm.world_size)
-            indices = gathered[:, total + start : total + start + k].long()
             out = t.view(-1) if d else torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+            if kernels.use_for(out):
+                kernels.get().topk_decode(kernels.array(out),
+                                          kernels.array(gathered[:, total + start : total + start + k]),
+                                          kernels.array(values))
+                if not d:
+                    t.copy_(out.view_as(t))
+                start += k
+                continue
+            indices = gathered[:, total + start : total + start + k].long()
             # a rank's indices are distinct, so the first is copied and the others added
             # by gather-add-copy: both several times faster than index_add_ on a CPU,
             # and the same sum in the same order on every rank
@@ -214,6 +228,10 @@ class TopK(ErrorFeedbackCompressor):
         group = 1
         while group < MAX_GROUP and 2 * group * j <= s / 8:
             group *= 2
+        if kernels.use_for(m):
+            # room for twice the candidates the sample expects (j of its s elements)
+            cap = 2 * math.ceil(j * n / s) + 2 * kernels.CHUNK
+            return self._select_fused(m, add, k, ef, zero, thr, strict, cap)
         scratch = self._scratch.get(str(m.device))
         if scratch is None:
             scratch = self._scratch[str(m.device)] = torch.empty(CHUNK, dtype=torch.float32, device=m.device)
@@ -249,6 +267,49 @@ class TopK(ErrorFeedbackCompressor):
             m.index_copy_(0, cand.index_select(0, drop), values.index_select(0, drop))
         kept = keep.nonzero().view(-1)
         return cand.index_select(0, kept), values.index_select(0, kept)
+
+    def _select_fused(
+        self, m: torch.Tensor, add: torch.Tensor | None, k: int, ef: bool,
+        zero: torch.Tensor | None, thr: float, strict: bool, cap: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_threshold_select`'s pass and trimming as compiled loops (a CPU tensor);
+        ``cap``: the candidates to make room for (more take another call of the kernel)."""
+        kern = kernels.get()
+        if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
+            add = add.to(torch.float32, memory_format=torch.contiguous_format)
+        m_np = kernels.array(m)
+        add_np = kernels.array(add) if add is not None else m_np[:0]
+        zero_np = kernels.array(zero) if zero is not None else m_np[:0]
+        # the kernel stops at a full buffer and goes on from there with the next
+        idx, val = self._found("candidates", cap)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pos, n = 0, m.numel()
+        while True:
+            c, pos = kern.topk_select(m_np, add_np, add is not None, ef, zero_np, zero is not None,
+                                      np.float32(thr), strict, pos, kernels.array(idx),
+                                      kernels.array(val))
+            if pos >= n and not parts:
+                cand, values = idx[:c], val[:c]
+                break
+            parts.append((idx[:c].clone(), val[:c].clone()))
+            if pos >= n:
+                cand, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+                break
+        if cand.numel() <= k:
+            return cand, values
+        kept_idx, kept_val = self._found("kept", k + 1)
+        kern.topk_trim(m_np, ef, kernels.array(cand), kernels.array(values), k,
+                       kernels.array(kept_idx), kernels.array(kept_val))
+        return kept_idx[:k], kept_val[:k]
+
+    def _found(self, role: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index (int64) and value (fp32) buffers of ``size`` on the CPU for ``role``, kept
+        between reductions (a fresh one of MBs page-faults again every step); what is
+        returned in them is copied into the payload before the next tensor is encoded."""
+        have = self._scratch.get(role)
+        if have is None or have.numel() < 3 * size:
+            have = self._scratch[role] = torch.empty(3 * size, dtype=torch.float32)
+        return have[: 2 * size].view(torch.int64), have[2 * size : 3 * size]
 
 
 def _above(x: torch.Tensor, scratch: torch.Tensor, thr: float, strict: bool, group: int) -> torch.Tensor:

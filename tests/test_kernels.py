@@ -1,0 +1,87 @@
+"""The compiled CPU kernels of sign, int8 and topk compute what the torch forms compute.
+
+test_compressors_large runs every property on both forms; here the two forms' outputs
+and error feedback are compared step by step on the same gradients, for 1 to 3 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotune import compressors
+from autotune.compressors import LocalComm, kernels
+from autotune.compressors import int8 as int8_module
+
+N = 3 * 2**18 + 1_001  # several chunks of every module, a ragged tail
+
+
+def _run(form: str, name: str, params: dict, world: int, monkeypatch: pytest.MonkeyPatch,
+         steps: int = 3) -> tuple[list[torch.Tensor], dict]:
+    """Outputs of ``steps`` reductions of skewed gradients, and the state after them."""
+    monkeypatch.setenv(kernels.ENV, form)
+    kernels.available.cache_clear()
+    try:
+        comp = compressors.create(name, **params)
+        gen = torch.Generator().manual_seed(0)
+        outs = []
+        for _ in range(steps):
+            g = torch.randn(N, generator=gen) * torch.rand(N, generator=gen) ** 3
+            comp.reduce([g], ["p"], LocalComm(world))
+            outs.append(g)
+        return outs, comp.state_dict()
+    finally:
+        kernels.available.cache_clear()
+
+
+@pytest.fixture
+def needs_numba() -> None:
+    kernels.available.cache_clear()
+    if not kernels.available():
+        pytest.skip("numba is not installed: the codecs' compiled kernels cannot run")
+
+
+def test_numba_is_installed_so_the_kernels_run_here() -> None:
+    # numba is a dependency: without it every kernel test below would skip silently
+    kernels.available.cache_clear()
+    assert kernels.available()
+    assert kernels.use_for(torch.zeros(1))
+
+
+@pytest.mark.usefixtures("needs_numba")
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
+def test_topk_kernels_send_and_keep_exactly_what_torch_does(
+        ratio: float, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    fused, fused_state = _run("numba", "topk", {"ratio": ratio}, world, monkeypatch)
+    eager, eager_state = _run("torch", "topk", {"ratio": ratio}, world, monkeypatch)
+    for a, b in zip(fused, eager):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_state["memory"]["p"], eager_state["memory"]["p"])
+
+
+@pytest.mark.usefixtures("needs_numba")
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sign_kernels_match_torch_but_for_the_scales_last_bits(
+        world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the scale, a mean of magnitudes, is summed in another order: within float32 rounding
+    fused, fused_state = _run("numba", "sign", {}, world, monkeypatch)
+    eager, eager_state = _run("torch", "sign", {}, world, monkeypatch)
+    for a, b in zip(fused, eager):
+        assert torch.equal(torch.signbit(a), torch.signbit(b))
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused_state["memory"]["p"], eager_state["memory"]["p"],
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("needs_numba")
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_int8_kernels_draw_the_same_codes_as_torch(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the same noise and scales: codes differ only where a level lands within a rounding
+    # of a boundary (torch may fuse the multiply-add), and sums only in their last bit
+    fused, _ = _run("numba", "int8", {}, world, monkeypatch)
+    eager, _ = _run("torch", "int8", {}, world, monkeypatch)
+    for a, b in zip(fused, eager):
+        step = float(b.abs().max()) / int8_module.LEVELS
+        off_by_a_level = (a - b).abs() > 1e-5 * step
+        assert int(off_by_a_level.sum()) <= 5
+        assert float((a - b).abs().max()) <= step * 1.001
