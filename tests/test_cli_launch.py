@@ -85,7 +85,8 @@ class Job:
     def __init__(self, tmp: Path, *args: str) -> None:
         self.token = uuid.uuid4().hex
         self.stderr_path = tmp / f"stderr-{self.token}.txt"
-        env = dict(os.environ, LAUNCH_TEST_TOKEN=self.token)
+        # TMPDIR: the rank logs a job without --log-dir keeps land in the test's folder
+        env = dict(os.environ, LAUNCH_TEST_TOKEN=self.token, TMPDIR=str(tmp))
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "autotune", "launch", *args], cwd=tmp, env=env,

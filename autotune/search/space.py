@@ -227,7 +227,3 @@ class ErrorModel:
             if e > STARVED_LAYER_ERROR:
                 starved = max(starved, e)
         return max(math.sqrt(acc / self._total), starved)
-
-    def contribution(self, label: str, name: str) -> float:
-        """The squared-error share one layer adds under ``label``."""
-        return (self.layer_error(label, name) * self.weights.get(name, 0.0)) ** 2 / self._total
