@@ -216,7 +216,7 @@ def budget_line(max_error: float) -> str:
     """What the error budget in force means, from bench/convergence.py."""
     line = f"error budget {max_error:g}"
     if max_error == DEFAULT_MAX_ERROR:
-        line += (" (the default: its policies lost 1.0 point of accuracy on digits, 0.8-2.3 on "
+        line += (" (the default: its policies lost 1.0 point of accuracy on digits, 0.3-1.2 on "
                  "the cnn and none on the transformer; PowerSGD rank 1 at 0.70-0.95 lost 2, 42 "
                  "and 12; see bench/convergence.py)")
     return line

@@ -10,10 +10,11 @@ __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "DEFAULT_EXACT_MARGIN", "DE
 # paired seeds each, accuracy against plain DDP's): on digits (12 epochs at 100 Mbit) the
 # budget's policy, PowerSGD rank 4 at 0.37, loses 1.0 point (worst seed 1.8), PowerSGD
 # rank 1 at 0.70 (PyTorch's hook with error feedback as users run it, or ours) 1.9-2.8;
-# on the cnn (100 steps) the policies verification emitted at 1 Gbit and 100 Mbit (0.46,
-# 0.47) lose 0.8 and 2.3, rank 4 (0.69) 2.1, rank 1 (0.95) 42; on the transformer (300
-# steps) the budget's policy for 100 Mbit (0.35) and rank 4 (0.74) lose nothing, rank 1
-# (0.94) 12. Conservative on the transformer, about right on the cnn and digits.
+# on the cnn (100 steps) the policies verification emitted at 1 Gbit, 300 and 100 Mbit
+# (sign, sign + bf16, sign + top-k; 0.31-0.49) lose 0.3-1.2, rank 4 (0.69) 2.1, rank 1
+# (0.95) 42; on the transformer (300 steps) the emitted policies (sign + fp16, 0.23), the
+# budget's policy for 100 Mbit (0.35) and rank 4 (0.74) lose nothing, rank 1 (0.94) 12.
+# Conservative on the transformer, about right on the cnn and digits.
 DEFAULT_MAX_ERROR = 0.6
 # A layer whose own error is above this is starved (it receives almost none of its
 # gradient): a policy with one is scored at that layer's error, not the weighted one.
