@@ -31,8 +31,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 import torch
 
-from autotune.compressors.base import REGISTRY, Collective, Compressor, Shape, numel, register
 from autotune.compressors import kernels
+from autotune.compressors.base import REGISTRY, Collective, Compressor, Shape, numel, register
 from autotune.compressors.comm import Comm
 from autotune.errors import CompressorError
 
@@ -142,20 +142,27 @@ class Int8(Compressor):
             if fused:
                 kernels.get().int8_decode(kernels.array(gathered), c_off, kernels.array(all_scales),
                                           s_off, self.config["block"], kernels.array(out))
-            for start, blocks, width in [] if fused else self._pieces(n):
-                b0 = s_off + start // self.config["block"]
-                part = out[start : start + blocks * width].view(blocks, width)
-                for w in range(comm.world_size):
-                    codes = gathered[w, c_off + start : c_off + start + blocks * width].view(blocks, width)
-                    scale = all_scales[w, b0 : b0 + blocks].unsqueeze(1)
-                    if w == 0:  # cast, then scale in place: faster than a mixed-type mul
-                        part.copy_(codes).mul_(scale)
-                    else:
-                        part.addcmul_(codes, scale)
+            else:
+                self._decode(gathered, all_scales, c_off, s_off, out)
             if not direct:
                 t.copy_(out.view_as(t))
             c_off += n
             s_off += self._blocks(n)
+
+    def _decode(self, gathered: torch.Tensor, all_scales: torch.Tensor, c_off: int, s_off: int,
+                out: torch.Tensor) -> None:
+        """``out`` = the average of the W ranks' codes at ``c_off`` (scales at ``s_off``),
+        chunk by chunk in cache (the torch form of the kernel's decoding)."""
+        for start, blocks, width in self._pieces(out.numel()):
+            b0 = s_off + start // self.config["block"]
+            part = out[start : start + blocks * width].view(blocks, width)
+            for w in range(gathered.shape[0]):
+                codes = gathered[w, c_off + start : c_off + start + blocks * width].view(blocks, width)
+                scale = all_scales[w, b0 : b0 + blocks].unsqueeze(1)
+                if w == 0:  # cast, then scale in place: faster than a mixed-type mul
+                    part.copy_(codes).mul_(scale)
+                else:
+                    part.addcmul_(codes, scale)
 
     def _encode(self, t: torch.Tensor, name: str, rank: int, codes: torch.Tensor,
                 scales: torch.Tensor, fused: bool) -> None:

@@ -13,8 +13,9 @@ They compute what the torch forms compute, from the same inputs (int8's rounding
 top-k's sampled threshold) and in the same float32 operations, and decoding sums the
 ranks in the same order, so every rank holds the same bits. Two differences from the
 torch forms, neither between ranks: ``sign``'s scale, a mean of magnitudes, is summed in
-another order (its last bits may differ), and torch may fuse int8's multiply-add, so a
-level that lands within a rounding of a boundary can come out one level apart.
+another order (its last bits may differ), and torch may fuse int8's multiply-adds, so a
+level that lands within a rounding of a boundary can come out one level apart, and a sum
+of three or more ranks' decoded values can differ in its last bit.
 
 Used for CPU tensors when numba can be imported, unless ``AUTOTUNE_KERNELS=torch`` is
 set (the torch forms then run; GPUs always take them). numba is imported on first use,
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["available", "get", "use_for"]
+__all__ = ["addend", "array", "available", "get", "use_for"]
 
 ENV = "AUTOTUNE_KERNELS"  # "torch": never use these kernels
 CHUNK = 4096  # elements per step of a two-step loop (16 KB of fp32: stays in L1)
@@ -65,6 +66,14 @@ def use_for(t: torch.Tensor) -> bool:
 def array(t: torch.Tensor) -> np.ndarray:
     """``t``'s memory as a numpy array (no copy); ``t`` must be on the CPU."""
     return t.detach().numpy()
+
+
+def addend(add: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
+    """The error feedback's ``add`` (None: nothing to add) as the kernels take it: fp32,
+    contiguous (copied only if it is not), or an empty array of ``like``'s type."""
+    if add is None:
+        return like[:0]
+    return array(add.to(torch.float32, memory_format=torch.contiguous_format))
 
 
 def _compiler(**options: Any) -> Any:
@@ -384,6 +393,5 @@ def get() -> Any:
     return SimpleNamespace(
         sign_encode=sign_encode, sign_residual=sign_residual, sign_decode=sign_decode,
         int8_encode=int8_encode, int8_decode=int8_decode,
-        topk_select=topk_select, kth_largest_abs_bits=kth_largest_abs_bits, topk_trim=topk_trim,
-        topk_decode=topk_decode,
+        topk_select=topk_select, topk_trim=topk_trim, topk_decode=topk_decode,
     )

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from autotune.compressors import kernels
 from autotune.compressors.base import (
     REGISTRY,
     Collective,
@@ -30,7 +31,6 @@ from autotune.compressors.base import (
     numel,
     register,
 )
-from autotune.compressors import kernels
 from autotune.compressors.comm import Comm
 
 __all__ = ["Sign"]
@@ -178,11 +178,8 @@ class Sign(ErrorFeedbackCompressor):
     def _encode_fused(self, m: torch.Tensor, add: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
         """:meth:`_encode`'s two passes as compiled loops (a CPU tensor)."""
         k = kernels.get()
-        if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
-            add = add.to(torch.float32, memory_format=torch.contiguous_format)
         m_np = kernels.array(m)
-        add_np = kernels.array(add) if add is not None else m_np[:0]
-        total = k.sign_encode(m_np, add_np, add is not None, kernels.array(packed))
+        total = k.sign_encode(m_np, kernels.addend(add, m_np), add is not None, kernels.array(packed))
         scale = torch.tensor(total / max(m.numel(), 1), dtype=torch.float32)
         if self.memory.enabled:
             k.sign_residual(m_np, scale.numpy()[()])

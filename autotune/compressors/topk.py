@@ -37,9 +37,10 @@ The error feedback is kept in place: the residual buffer holds the compensated
 gradient, and the sent entries are zeroed in it, so no full-size temporary is made.
 Indices stay in ascending order, so that decoding sweeps the output forwards.
 
-On a CPU, step 2 is one compiled loop over the tensor, and step 3 (with a partial sort,
-``np.partition``) and the decoding are compiled too (:mod:`autotune.compressors.kernels`):
-the same selection, without ``nonzero``'s cost per element.
+On a CPU, step 2 is one compiled loop over the tensor, and step 3 (a radix selection of
+the k-th largest magnitude, no sort) and the decoding are compiled too
+(:mod:`autotune.compressors.kernels`): the same selection, without ``nonzero``'s cost per
+element.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
+from autotune.compressors import kernels
 from autotune.compressors.base import (
     REGISTRY,
     Collective,
@@ -59,7 +61,6 @@ from autotune.compressors.base import (
     numel,
     register,
 )
-from autotune.compressors import kernels
 from autotune.compressors.comm import Comm
 
 __all__ = ["TopK"]
@@ -223,15 +224,15 @@ class TopK(ErrorFeedbackCompressor):
         j = min(s, math.ceil(hits + MARGIN_SIGMAS * math.sqrt(hits)) + 1)
         thr = float(sample.topk(j, sorted=False).values.min())
         strict = thr == 0.0  # never pick zeros: a mostly-zero gradient sends its non-zeros
+        if kernels.use_for(m):
+            # room for twice the candidates the sample expects (j of its s elements)
+            cap = 2 * math.ceil(j * n / s) + 2 * kernels.CHUNK
+            return self._select_fused(m, add, k, ef, zero, thr, strict, cap)
         # screen the elements in groups, by their maximum: groups of about 1/8 of the
         # inverse candidate density, so that about one group in ten holds a candidate
         group = 1
         while group < MAX_GROUP and 2 * group * j <= s / 8:
             group *= 2
-        if kernels.use_for(m):
-            # room for twice the candidates the sample expects (j of its s elements)
-            cap = 2 * math.ceil(j * n / s) + 2 * kernels.CHUNK
-            return self._select_fused(m, add, k, ef, zero, thr, strict, cap)
         scratch = self._scratch.get(str(m.device))
         if scratch is None:
             scratch = self._scratch[str(m.device)] = torch.empty(CHUNK, dtype=torch.float32, device=m.device)
@@ -275,10 +276,8 @@ class TopK(ErrorFeedbackCompressor):
         """:meth:`_threshold_select`'s pass and trimming as compiled loops (a CPU tensor);
         ``cap``: the candidates to make room for (more take another call of the kernel)."""
         kern = kernels.get()
-        if add is not None and (add.dtype != torch.float32 or not add.is_contiguous()):
-            add = add.to(torch.float32, memory_format=torch.contiguous_format)
         m_np = kernels.array(m)
-        add_np = kernels.array(add) if add is not None else m_np[:0]
+        add_np = kernels.addend(add, m_np)
         zero_np = kernels.array(zero) if zero is not None else m_np[:0]
         # the kernel stops at a full buffer and goes on from there with the next
         idx, val = self._found("candidates", cap)
