@@ -138,3 +138,16 @@ def test_one_method_at_two_bucket_sizes_is_decided_by_the_median_not_the_order()
     winner, decision = exploration.decide()
     assert not decision.separated
     assert winner.name == "psgd100"
+
+
+def test_a_dropped_contender_never_wins_a_tie_back() -> None:
+    # "simple" (listed first, so simpler) measures 1.25x "fast" in its one block and is
+    # dropped; its two steps would give an interval reaching 1, and a tie to the simpler
+    times = {"ddp": 4.0, "simple": 1.25, "fast": 1.0}
+    exploration = Exploration(_contenders(times), "ddp", trial_steps=2, budget_steps=60)
+    _run(exploration, times, noise=0.1)
+    assert "simple" in exploration.dropped
+    winner, decision = exploration.decide()
+    assert winner.name == "fast" and "simple" not in decision.medians
+    # plain DDP, dropped too, still bounds the winner: its median is kept
+    assert "ddp" in exploration.dropped and decision.medians["ddp"] > decision.medians["fast"]
