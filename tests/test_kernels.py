@@ -5,6 +5,10 @@ and error feedback are compared step by step on the same gradients, for 1 to 3 r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -85,3 +89,24 @@ def test_int8_kernels_draw_the_same_codes_as_torch(world: int, monkeypatch: pyte
         off_by_a_level = (a - b).abs() > 1e-5 * step
         assert int(off_by_a_level.sum()) <= 5
         assert float((a - b).abs().max()) <= step * 1.001
+
+
+_FIRST_CALLS = """
+import torch
+from autotune.compressors import LocalComm, create
+for name, kw in (("sign", {}), ("int8", {}), ("topk", {"ratio": 0.01})):
+    create(name, **kw).reduce([torch.randn(64, 64)], ["w"], LocalComm(2))
+"""
+
+
+def test_a_second_process_loads_every_kernel_from_numbas_cache() -> None:
+    # a kernel that misses the cache compiles again in every process: a second at a
+    # policy's first use (numba says "data saved" for each compilation it writes)
+    env = {**os.environ, "NUMBA_DEBUG_CACHE": "1"}
+    runs = [subprocess.run([sys.executable, "-c", _FIRST_CALLS], capture_output=True,
+                           text=True, env=env, check=True, timeout=300) for _ in range(2)]
+    if "no locator available" in runs[0].stderr + runs[0].stdout:
+        pytest.skip("numba has no writable cache here")
+    second = runs[1].stdout + runs[1].stderr
+    assert "data loaded" in second
+    assert "data saved" not in second, second

@@ -1,0 +1,342 @@
+"""The numba kernels of :mod:`autotune.compressors.kernels`, one module-level function
+each, compiled on first call and cached on disk beside this module.
+
+Apart from ``kernels`` so that numba is imported only when a kernel is first wanted;
+module-level (not closures built by a function) so that numba's cache finds them again in
+the next process: a kernel calling another through a closure's cell missed the cache in
+every process and compiled again (sign's encoder 1.0 s, int8's 0.3 s at a policy's first
+use, a live trial's first step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from autotune.compressors.kernels import CHUNK, GATHER_BITS
+
+
+def _compiler(**options: Any) -> Any:
+    """numba's ``njit`` releasing the GIL, caching its machine code on disk where numba
+    finds a writable place (else each process compiles again)."""
+
+    def compile_(func: Any) -> Any:
+        try:
+            return njit(nogil=True, cache=True, **options)(func)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return njit(nogil=True, **options)(func)
+
+    return compile_
+
+
+jit = _compiler()
+# a sum's terms may be added in any order (lanes of a vector): sign's scale only
+jit_sum = _compiler(fastmath={"reassoc"})
+
+
+@jit_sum
+def add_abs_sum(m: Any, add: Any, has_add: bool) -> float:
+    """m += add (if has_add); returns sum |m| in float64."""
+    total = 0.0
+    if has_add:
+        for i in range(m.size):
+            v = m[i] + add[i]
+            m[i] = v
+            total += abs(v)
+    else:
+        for i in range(m.size):
+            total += abs(m[i])
+    return total
+
+
+@jit
+def pack_sign_bits(bits: Any, packed: Any, spread: Any) -> None:
+    """packed = the sign bits of ``bits`` (int32 view of fp32; at most CHUNK), 8 to a
+    byte, first element highest; a last, partial byte padded with zero bits.
+    ``spread``: CHUNK bytes of scratch, one bit per byte (a vectorised loop), whose
+    8-byte words one multiplication each gathers into a byte: byte j's bit lands on
+    bit 63 - j of the product, with no carries (as :mod:`autotune.compressors.sign`)."""
+    for i in range(bits.size):
+        spread[i] = (bits[i] >> 31) & 1
+    words = spread.view(np.uint64)
+    whole = bits.size // 8
+    for b in range(whole):
+        packed[b] = (words[b] * GATHER_BITS) >> np.uint64(56)
+    if whole < packed.size:
+        byte = 0
+        for j in range(bits.size - 8 * whole):
+            byte |= spread[8 * whole + j] << (7 - j)
+        packed[whole] = byte
+
+
+@jit
+def sign_encode(m: Any, add: Any, has_add: bool, packed: Any) -> float:
+    """m += add (if has_add); packed = m's sign bits; returns sum |m| (float64).
+    Chunk by chunk, each in cache for both steps."""
+    n = m.size
+    bits = m.view(np.int32)
+    spread = np.empty(CHUNK, dtype=np.uint8)
+    total = 0.0
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        total += add_abs_sum(m[lo:hi], add[lo:hi] if has_add else add, has_add)
+        pack_sign_bits(bits[lo:hi], packed[lo // 8 : (hi + 7) // 8], spread)
+    return total
+
+
+@jit
+def sign_residual(m: Any, scale: Any) -> None:
+    """m -= scale * sign(m), the sign being m's sign bit."""
+    for i in range(m.size):
+        m[i] = m[i] - math.copysign(scale, m[i])
+
+
+@jit
+def sign_decode(gathered: Any, offset: int, tables: Any, out: Any) -> None:
+    """out = sum over ranks w of tables[w, byte] for each element's byte of rank w's
+    payload (``gathered[w, offset:]``), in rank order.
+
+    The first two ranks' sum is looked up whole: a byte's first 4 values depend on
+    its high nibble only, so a table of the 16 x 16 nibble pairs' sums (4 values
+    each, the same float32 additions) gives 8 elements from 2 lookups, copied as
+    int64 pairs at memcpy speed; each further rank is added in order."""
+    n = out.size
+    nb = (n + 7) // 8
+    whole = n // 8
+    world = gathered.shape[0]
+    ga = gathered[0, offset : offset + nb]
+    gb = gathered[min(1, world - 1), offset : offset + nb]
+    pair = np.empty((256, 4), dtype=np.float32)
+    for x in range(16):
+        for y in range(16):
+            for j in range(4):
+                if world > 1:
+                    pair[16 * x + y, j] = tables[0, 16 * x, j] + tables[1, 16 * y, j]
+                else:
+                    pair[16 * x + y, j] = tables[0, 16 * x, j]
+    words = out[: 8 * whole].view(np.int64)
+    pw = pair.view(np.int64)  # (256, 2)
+    for b in range(whole):
+        a = ga[b]
+        c = gb[b] if world > 1 else a
+        hi = ((a >> 4) << 4) | (c >> 4)
+        lo = ((a & 15) << 4) | (c & 15)
+        words[4 * b] = pw[hi, 0]
+        words[4 * b + 1] = pw[hi, 1]
+        words[4 * b + 2] = pw[lo, 0]
+        words[4 * b + 3] = pw[lo, 1]
+    if whole < nb:  # the last byte, partly filled
+        tail = out[8 * whole :]
+        ra = tables[0, ga[whole]]
+        rb = tables[min(1, world - 1), gb[whole]]
+        for j in range(tail.size):
+            tail[j] = ra[j] + rb[j] if world > 1 else ra[j]
+    for w in range(2, world):
+        gw = gathered[w, offset : offset + nb]
+        tw = tables[w]
+        for b in range(nb):
+            r = tw[gw[b]]
+            ob = out[8 * b : min(n, 8 * b + 8)]
+            for j in range(ob.size):
+                ob[j] = ob[j] + r[j]
+
+
+@jit
+def abs_max_bits(bits: Any) -> Any:
+    """max |x| over an int32 view of fp32 ``x``, as bits: with the sign bit cleared,
+    fp32 bit patterns order as their values (NaN above inf), and integer maxima
+    vectorise where float ones do not."""
+    top = np.int32(0)
+    for i in range(bits.size):
+        a = bits[i] & 0x7FFFFFFF
+        top = a if a > top else top
+    return top
+
+
+@jit
+def int8_encode(x: Any, block: int, table: Any, starts: Any, counts: Any,
+                widths: Any, offsets: Any, levels: Any, tiny: Any,
+                codes: Any, scales: Any) -> None:
+    """Per block of ``x``: scale = max |x|, and each element's code the low byte of
+    trunc(noise + x * levels / scale) (noise + 128 from ``table`` at the piece's
+    offset), top bit flipped: the signed level, as int8 bits."""
+    bits = x.view(np.int32)
+    scale_bits = scales.view(np.int32)
+    for p in range(starts.size):
+        s0 = starts[p]
+        width = widths[p]
+        noise = table[offsets[p] :]
+        first = s0 // block
+        for b in range(counts[p]):
+            lo = s0 + b * width
+            scale_bits[first + b] = abs_max_bits(bits[lo : lo + width])
+            mx = scales[first + b]
+            inv = levels / (mx if mx > tiny else tiny)
+            xb = x[lo : lo + width]
+            cb = codes[lo : lo + width]
+            nb = noise[b * width : b * width + width]
+            for i in range(width):
+                level = nb[i] + xb[i] * inv
+                cb[i] = np.uint8((np.int32(level) & 0xFF) ^ 0x80)
+
+
+@jit
+def int8_decode(gathered: Any, c_off: int, scales: Any, s_off: int, block: int,
+                out: Any) -> None:
+    """out = sum over ranks of code * scale (per block), in rank order."""
+    n = out.size
+    for w in range(gathered.shape[0]):
+        codes = gathered[w, c_off : c_off + n]
+        sw = scales[w, s_off:]
+        for b in range((n + block - 1) // block):
+            lo = b * block
+            s = sw[b]
+            cb = codes[lo : lo + block]
+            ob = out[lo : lo + block]
+            if w == 0:
+                for i in range(cb.size):
+                    ob[i] = np.float32(cb[i]) * s
+            else:
+                for i in range(cb.size):
+                    ob[i] = ob[i] + np.float32(cb[i]) * s
+
+
+@jit
+def topk_select(m: Any, add: Any, has_add: bool, ef: bool, zero: Any, has_zero: bool,
+                thr: Any, strict: bool, start: int, idx: Any, val: Any) -> tuple[int, int]:
+    """From ``start``: m += add; the elements with |m| >= thr (> if strict) go to
+    (idx, val) and, with error feedback, are zeroed in m; ``zero`` is zeroed as it is
+    passed. Stops before a chunk whose candidates could overflow idx: returns
+    (candidates found, where it stopped).
+
+    Per chunk (in cache): a vectorised loop adds and marks the candidates in a byte
+    mask; the mask is then read 8 bytes at a time, and only a word with a mark is
+    looked at, its 8 elements without a branch each (written always, kept by counting
+    the mark): a branch per element mispredicts at every candidate."""
+    n = m.size
+    cap = idx.size
+    mask = np.zeros(CHUNK, dtype=np.uint8)
+    words = mask.view(np.uint64)
+    c = 0
+    for lo in range(start, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        if cap - c < hi - lo:
+            return c, lo
+        ms = m[lo:hi]
+        if has_add:
+            adds = add[lo:hi]
+            for i in range(ms.size):
+                ms[i] = ms[i] + adds[i]
+        if strict:
+            for i in range(ms.size):
+                mask[i] = abs(ms[i]) > thr
+        else:
+            for i in range(ms.size):
+                mask[i] = abs(ms[i]) >= thr
+        mask[ms.size :] = 0
+        first = c
+        for w in range((ms.size + 7) // 8):
+            if words[w]:
+                for j in range(8 * w, 8 * w + 8):
+                    idx[c] = j
+                    c += mask[j]
+        for j in range(first, c):  # the values, then the indices made absolute
+            at = idx[j]
+            val[j] = ms[at]
+            if ef:
+                ms[at] = 0.0
+            idx[j] = lo + at
+        if has_zero:  # last: without error feedback ``zero`` may be m itself
+            zs = zero[lo:hi]
+            for i in range(zs.size):
+                zs[i] = 0.0
+    return c, n
+
+
+@jit
+def kth_largest_abs_bits(bits: Any, k: int) -> tuple[Any, int]:
+    """(the k-th largest |x| of fp32 ``x``, given as its int32 view, as bits; how many
+    are larger): a radix selection over the magnitudes' bit patterns (which order as
+    their values), first by their top bits above the smallest, spread over 65536
+    bins (bins crowded by close values would make each count wait on the last),
+    then by the remaining low bits within the bin that holds the k-th. Three passes
+    (the range, then the two counts); no sort, no copy."""
+    least = np.int32(0x7FFFFFFF)
+    most = np.int32(0)
+    for j in range(bits.size):
+        a = bits[j] & 0x7FFFFFFF
+        least = a if a < least else least
+        most = a if a > most else most
+    span = most - least
+    shift = 0
+    while (span >> shift) >= 65536:
+        shift += 1
+    hist = np.zeros(65536, dtype=np.int32)
+    for j in range(bits.size):
+        hist[((bits[j] & 0x7FFFFFFF) - least) >> shift] += 1
+    above = 0
+    top = span >> shift
+    while above + hist[top] < k:
+        above += hist[top]
+        top -= 1
+    base = least + (top << shift)
+    if shift == 0:
+        return np.int32(base), above
+    width = 1 << shift
+    hist[:width] = 0
+    for j in range(bits.size):
+        d = (bits[j] & 0x7FFFFFFF) - base
+        if d >= 0 and d < width:
+            hist[d] += 1
+    low = width - 1
+    while above + hist[low] < k:
+        above += hist[low]
+        low -= 1
+    return np.int32(base + low), above
+
+
+@jit
+def topk_trim(m: Any, ef: bool, idx: Any, val: Any, k: int, out_idx: Any, out_val: Any) -> None:
+    """The k largest |val| of the candidates into (out_idx, out_val), which hold k + 1
+    (a slot to write into unkept), in their ascending order; ties at the k-th largest
+    kept first come; with error feedback the dropped are put back into m. Without a
+    branch per candidate: about one in five is dropped, at no predictable place."""
+    bits = val.view(np.int32)
+    kth, above = kth_largest_abs_bits(bits, k)
+    ties = k - above
+    o = 0
+    dropped = np.empty(bits.size - k + 1, dtype=np.int64)  # and a slot as out's
+    d = 0
+    for j in range(bits.size):
+        mag = bits[j] & 0x7FFFFFFF
+        tie = (mag == kth) & (ties > 0)
+        keep = (mag > kth) | tie
+        ties -= tie
+        out_idx[o] = idx[j]
+        out_val[o] = val[j]
+        o += keep
+        dropped[d] = j
+        d += not keep
+    if ef:
+        for j in dropped[:d]:
+            m[idx[j]] = val[j]
+
+
+@jit
+def topk_decode(out: Any, idx: Any, val: Any) -> None:
+    """out[idx[w]] += val[w] for each rank w in order (rank 0's copied: out holds
+    zeros there). A rank's indices ascend; only padding repeats one."""
+    k = idx.shape[1]
+    for j in range(k):
+        out[idx[0, j]] = val[0, j]
+    for w in range(1, idx.shape[0]):
+        iw = idx[w]
+        vw = val[w]
+        for j in range(k):
+            i = iw[j]
+            if j and i == iw[j - 1]:
+                continue  # padding repeats the last entry: added once
+            out[i] = out[i] + vw[j]
