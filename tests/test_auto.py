@@ -250,7 +250,9 @@ def test_a_search_costing_more_than_it_can_win_is_abandoned_for_plain_ddp(
     save = tmp_path / "p.json"
     a, b = run_ranks("test_auto:rank_abandon", save=str(save), log=str(tmp_path / "a.jsonl"),
                      timeout=300)
-    assert "network_probe" in a["events"] and "search_abandoned" in a["events"]
+    assert "search_abandoned" in a["events"]
+    # weighed on the steps beside the worker's start, before the network probe
+    assert "network_probe" not in a["events"]
     assert "searched" not in a["events"] and "switch" not in a["events"]
     assert a["worker_gone"] and a["summary"]["why"] == "forced: the search costs more"
     assert a["phase"] == b["phase"] == "settled" and a["digest"] == b["digest"]

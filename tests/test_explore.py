@@ -67,7 +67,7 @@ def test_a_far_slower_contender_is_cut_short_after_one_timed_step() -> None:
     # already started under it (a switch is announced one step ahead)
     assert len(exploration.times["slow"]) == 2
     assert "cut short" in exploration.dropped["slow"]
-    assert ran.count("slow") == 3  # its settling step and two of its four timed steps
+    assert ran.count("slow") == 4  # its two settling steps (a first visit), two timed ones
     assert exploration.decide()[0].name == "fast"
 
 
@@ -151,3 +151,18 @@ def test_a_dropped_contender_never_wins_a_tie_back() -> None:
     assert winner.name == "fast" and "simple" not in decision.medians
     # plain DDP, dropped too, still bounds the winner: its median is kept
     assert "ddp" in exploration.dropped and decision.medians["ddp"] > decision.medians["fast"]
+
+
+def test_a_first_visit_settles_two_steps_and_later_visits_one() -> None:
+    # the step after a contender's first switch loads what it first uses: a slow step
+    # there is not timed, and does not cut the contender short
+    times = {"ddp": 1.0, "fast": 0.5, "near": 0.52}
+    exploration = Exploration(_contenders(times), "ddp", trial_steps=2, budget_steps=60)
+    ran = _run(exploration, times, noise=0.0, slow_steps={"fast": [1, 2]})
+    assert "fast" not in exploration.dropped and exploration.decide()[0].name == "fast"
+    assert exploration.times["fast"][:2] == [0.5, 0.5]
+    # "near", never the incumbent, runs in blocks: each settles one untimed step, and
+    # its first block two
+    blocks = sum(1 for i, n in enumerate(ran) if n == "near" and ran[i - 1] != "near")
+    assert blocks >= 2
+    assert ran.count("near") - len(exploration.times["near"]) == blocks + 1

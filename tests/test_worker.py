@@ -46,3 +46,15 @@ def test_no_answer_in_time_is_an_error_and_ends_the_worker() -> None:
     reply = worker.poll()
     assert reply == {"error": "the search worker did not answer in time"}
     assert worker._proc.poll() is not None
+
+
+def test_closing_without_waiting_kills_it_at_once_and_reaps_it_on_a_thread() -> None:
+    worker = SearchWorker()
+    directory, proc = worker._dir, worker._proc
+    worker.close(wait=False)
+    proc.wait(timeout=30)  # killed: it ends without the request it was waiting for
+    assert proc.returncode is not None and proc.returncode < 0
+    end = time.monotonic() + 30
+    while directory.exists() and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not directory.exists()

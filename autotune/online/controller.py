@@ -30,9 +30,12 @@ between steps, at the start of a forward pass: never inside a backward pass.
   explores first. Rank 0 times a few steps of DDP (the reference), instruments a few
   more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
   copies of the live gradients); if DDP's step is then within ``HIDDEN_MARGIN`` of its
-  compute floor it settles on DDP at once. Otherwise every rank joins a short network
-  probe at one boundary (at most :data:`NETWORK_STEPS` DDP steps long); a search
-  worker process on rank 0 (:mod:`autotune.online.worker`, at the lowest CPU priority,
+  compute floor it settles on DDP at once. Otherwise a search worker process starts on
+  rank 0; on a CPU-bound job (exposed communication under :data:`LINK_BOUND` of the
+  step) the steps beside its start are weighed first, and a search that slows them more
+  than it could win is given up before anything else is spent. Then every rank joins a
+  short network probe at one boundary (at most :data:`NETWORK_STEPS` DDP steps long); the
+  worker (:mod:`autotune.online.worker`, at the lowest CPU priority,
   so training keeps its GIL and cores) probes the codecs on the copied gradients,
   builds a :class:`~autotune.probes.profile.Profile`, fits the cost model and runs the
   search; then the best candidates and the presets' equivalents are tried on live
@@ -111,6 +114,10 @@ SEARCH_POLL_STEPS = 4
 # steps of the running search after which rank 0 weighs what it costs the job (the
 # steps it slows) against the most any policy could win (the exposed communication)
 SEARCH_COST_STEPS = 8
+# steps beside the worker's start before the network probe (the first weighing), on a
+# job whose exposed communication is under LINK_BOUND of its step
+WEIGH_STEPS = 8
+LINK_BOUND = 0.5
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
 
@@ -564,8 +571,24 @@ class Controller:
             hidden = self._hidden()
             if hidden is not None:  # nothing to gain: plain DDP stays, no network probe
                 return self._conclude(None, None, why=hidden)
+            self._search_steps = []
+            if self._worker is not None and not self._link_bound():
+                # first weigh what the search costs, on the steps beside the worker's
+                # start (its imports: the search's kind of load), before the network
+                # probe stalls every rank: a search given up here costs no probe
+                self.phase = "weigh"
+                return b"", 0, 0, SEARCH_POLL_STEPS
             self.phase = "network"
             return b"", 0, _NETWORK, 1  # every rank probes the network after this header
+        if self.phase == "weigh":
+            self._search_steps.extend(window.step_s)
+            why = self._search_costs_more()
+            if why is not None:
+                return self._give_up_search(why)
+            if len(self._search_steps) < WEIGH_STEPS:
+                return b"", 0, 0, SEARCH_POLL_STEPS
+            self.phase = "network"
+            return b"", 0, _NETWORK, 1
         if self.phase == "network":
             self._start_auto_search()
             self.phase = "search"
@@ -577,9 +600,7 @@ class Controller:
                 why = self._search_costs_more()
                 if why is None:
                     return b"", 0, 0, SEARCH_POLL_STEPS
-                self._stop_search()
-                self._log({"event": "search_abandoned", "step": self.step, "why": why})
-                return self._conclude(None, None, why=why)
+                return self._give_up_search(why)
             if not self._adopt(reply):  # the search failed: keep plain DDP
                 return self._conclude(None, None)
             self.phase = "trial"
@@ -638,6 +659,16 @@ class Controller:
                 f"{HIDDEN_MARGIN:.0%} of its compute alone ({floor * 1e3:.1f} ms): "
                 f"communication is hidden, nothing to tune")
 
+    def _link_bound(self) -> bool:
+        """Whether the DDP start waits on the link for :data:`LINK_BOUND` of its step or
+        more. Then the search is not weighed before the network probe: its cost could
+        hardly exceed so much exposed communication, and the worker's imports overlap
+        the probe's stall instead of slowing steps (300 Mbit cnn: 8 steps 1.4x slower).
+        On a CPU-bound job it is weighed first, and a search given up costs no probe."""
+        assert self._compute is not None
+        reference = statistics.median(self._ddp_steps)
+        return reference - statistics.median(self._compute["step_s"]) >= LINK_BOUND * reference
+
     def _search_costs_more(self) -> str | None:
         """Why to give the running search up (None: let it run), from the steps it has
         run beside: when they are slower than the DDP start by more than the DDP start's
@@ -657,11 +688,17 @@ class Controller:
                 f"leaves to win ({(reference - floor) * 1e3:.1f} ms of its "
                 f"{reference * 1e3:.1f} ms step are exposed communication): plain DDP stays")
 
+    def _give_up_search(self, why: str) -> tuple[bytes, int, int, int]:
+        """Rank 0: end the search for plain DDP (see :meth:`_search_costs_more`)."""
+        self._stop_search()
+        self._log({"event": "search_abandoned", "step": self.step, "why": why})
+        return self._conclude(None, None, why=why)
+
     def _stop_search(self) -> None:
         """End the search: its worker is killed; a search thread is left to finish, and
         its reply is never read."""
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(wait=False)
             self._worker = None
 
     def _start_auto_search(self) -> None:
@@ -671,7 +708,6 @@ class Controller:
         assert self._profiler is not None and self._network is not None and self._compute is not None
         compute = self._compute
         grads = self._profiler.grads
-        self._search_steps = []
         self._profiler.close()
         self._profiler = None
         reference = statistics.median(self._ddp_steps)

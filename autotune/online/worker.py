@@ -105,9 +105,23 @@ class SearchWorker:
             return ""
         return text.splitlines()[-1] if text else ""
 
-    def close(self) -> None:
-        """End the worker (if it still runs) and remove its files."""
-        self._finalizer()
+    def close(self, wait: bool = True) -> None:
+        """End the worker (if it still runs) and remove its files.
+
+        Args:
+            wait: wait here for it to exit; else it is killed here and reaped, and its
+                files removed, on a thread. Training passes False: an idle-class
+                process on busy cores waits to be scheduled even to exit, and a
+                search given up on an unshaped link stalled the step that ended it
+                by 0.4 s.
+        """
+        if wait or self._proc.poll() is not None:
+            self._finalizer()
+            return
+        self._proc.kill()
+        if self._finalizer.detach() is not None:
+            threading.Thread(target=_end, args=(self._proc, self._dir, self._stderr),
+                             name="autotune-search-reaper", daemon=True).start()
 
 
 def _end(proc: subprocess.Popen[bytes], directory: Path, stderr: Any) -> None:
