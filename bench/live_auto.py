@@ -56,10 +56,14 @@ def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -
                "--steps", str(steps), "--out", str(out)]
     if mode in ("auto", "static"):
         command += ["--policy", str(policy)]
+    log = out.with_suffix(".jsonl")  # auto's decision log: its phases' steps
+    if mode == "auto":
+        command += ["--log", str(log)]
     failures = []
     for _ in range(2):  # a crashed run is reported in the results and run once more
         started = time.perf_counter()
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stacks
+        log.unlink(missing_ok=True)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode == 0:
             break
@@ -70,6 +74,11 @@ def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -
         raise SystemExit(f"{model} {mode} {link} failed twice")
     result = json.loads(out.read_text())
     result.update(link=link, launch_s=time.perf_counter() - started, failures=failures)
+    if mode == "auto" and log.exists():  # where each phase began (first events first)
+        events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        result["auto_phases"] = {e["event"]: e["step"] for e in reversed(events)
+                                 if e["event"] not in ("announce", "switch")}
+        log.unlink()
     return result
 
 
@@ -81,6 +90,8 @@ def row(r: dict[str, Any], ddp_median: float | None) -> dict[str, Any]:
            "failed_runs": r.get("failures", []),
            "degraded_vs_ddp_run": (sum(t > 1.1 * ddp_median for t in steps[2:])
                                    if ddp_median else None)}
+    if "auto_phases" in r:
+        out["auto_phases"] = r["auto_phases"]  # e.g. searched: the step the search replied
     if r.get("auto"):
         a = r["auto"]
         out.update(auto_degraded=a.get("total_degraded_steps", a.get("degraded_steps")),
