@@ -112,11 +112,12 @@ NETWORK_STEPS = 20  # auto's network probe takes at most about this many DDP ste
 # check is a broadcast that every rank waits on: on a fast link, a step's worth of it)
 SEARCH_POLL_STEPS = 4
 # steps of the running search after which rank 0 weighs what it costs the job (the
-# steps it slows) against the most any policy could win (the exposed communication)
-SEARCH_COST_STEPS = 8
+# steps it slows) against the most any policy could win (the exposed communication):
+# one poll's; a search that only looks affordable goes on being weighed as it runs
+SEARCH_COST_STEPS = 4
 # steps beside the worker's start before the network probe (the first weighing), on a
 # job whose exposed communication is under LINK_BOUND of its step
-WEIGH_STEPS = 8
+WEIGH_STEPS = 4
 LINK_BOUND = 0.5
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
