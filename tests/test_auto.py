@@ -137,10 +137,12 @@ def rank_hidden(save: str) -> dict[str, Any]:
             "worker_gone": ddp.controller._worker is None}
 
 
-def rank_abandon(save: str, log: str) -> dict[str, Any]:
+def rank_abandon(save: str, log: str, link_bound: bool) -> dict[str, Any]:
     """A search that costs more than it could win (forced: the rule's arithmetic is
-    tested alone): rank 0 kills its worker and every rank settles on plain DDP."""
+    tested alone): rank 0 kills its worker and every rank settles on plain DDP. The job
+    is taken as link-bound (the network probe first) or CPU-bound (weighed first)."""
     controller.HIDDEN_MARGIN = -1.0
+    controller.LINK_BOUND = 0.0 if link_bound else 1.0
     controller.SEARCH_COST_STEPS = 1
     controller.Controller._search_costs_more = (  # type: ignore[method-assign]
         lambda self: "forced: the search costs more" if self._search_steps else None)
@@ -245,14 +247,16 @@ def test_hidden_communication_settles_on_plain_ddp_without_a_search(run_ranks, t
     assert saved.id == a["policy_id"] and "hidden" in saved.meta["verification"]["why"]
 
 
+@pytest.mark.parametrize("link_bound", [False, True])
 def test_a_search_costing_more_than_it_can_win_is_abandoned_for_plain_ddp(
-        run_ranks, tmp_path: Path) -> None:
+        run_ranks, tmp_path: Path, link_bound: bool) -> None:
     save = tmp_path / "p.json"
     a, b = run_ranks("test_auto:rank_abandon", save=str(save), log=str(tmp_path / "a.jsonl"),
-                     timeout=300)
+                     link_bound=link_bound, timeout=300)
     assert "search_abandoned" in a["events"]
-    # weighed on the steps beside the worker's start, before the network probe
-    assert "network_probe" not in a["events"]
+    # a CPU-bound job is weighed on the steps beside the worker's start, before the
+    # network probe; a link-bound one probes first, its worker importing meanwhile
+    assert ("network_probe" in a["events"]) == link_bound
     assert "searched" not in a["events"] and "switch" not in a["events"]
     assert a["worker_gone"] and a["summary"]["why"] == "forced: the search costs more"
     assert a["phase"] == b["phase"] == "settled" and a["digest"] == b["digest"]
