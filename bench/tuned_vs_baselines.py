@@ -85,10 +85,14 @@ def held_out(profile: Any, rate: str, medians: dict[str, float],
     over the pairs the measurement tells apart (:func:`autotune.trials.separated_tau`)."""
     model = CostModel.fit(profile)
     what_if = WhatIf(bandwidth_bps=parse_link(rate).rate_bps)
-    policies = {s["name"]: _equivalent(s["name"]) for s in SETUPS}
+    # a stock set-up as the model predicts it: our equivalent's step, scaled by the
+    # stock/ours ratio measured where the profile was (CostModel.predict_stock)
+    stock = {p.name for p in STOCK}
+    policies = {s["name"]: _equivalent(s["name"]) for s in SETUPS if s["name"] not in stock}
     if tuned is not None:
         policies["tuned"] = tuned
-    predicted = {n: model.predict(p, what_if).step_s for n, p in policies.items()}
+    predicted = {n: model.predict_stock(n, what_if) for n in stock}
+    predicted.update({n: model.predict(p, what_if).step_s for n, p in policies.items()})
 
     def accuracy(names: list[str]) -> dict[str, float]:
         errors = sorted(abs((predicted[n] / predicted["ddp"]) / (medians[n] / medians["ddp"]) - 1)

@@ -19,7 +19,7 @@ from autotune.cli import main
 from autotune.compressors import CompressorSpec, create
 from autotune.errors import ProfileError
 from autotune.models.buckets import ParamInfo, ddp_buckets
-from autotune.models.cost_model import CostModel, load_cost_model
+from autotune.models.cost_model import CostModel, calibration_pairs, load_cost_model
 from autotune.models.estimators import (
     CodecTimeRegressor,
     CollectiveTimeRegressor,
@@ -28,7 +28,9 @@ from autotune.models.estimators import (
 from autotune.models.simulator import WhatIf
 from autotune.models.trace import trace_events
 from autotune.policies import Policy
+from autotune.presets import preset
 from autotune.probes.profile import Profile
+from autotune.search.verify import learned
 from autotune.workloads import Workload, resolve_workload
 
 GRID = [
@@ -453,3 +455,54 @@ def test_codec_features_use_the_compressor_parameter() -> None:
     # data-dependent methods: the share of rows sent (1 when not measured: dense)
     assert codec_features(CompressorSpec.of("rowsparse"), (1000, 16), 0.02) == [16000, 1000, 16, 0.02]
     assert codec_features(CompressorSpec.of("rowsparse"), (1000, 16))[3] == 1.0
+
+
+# ------------------------------------------------------- stock set-ups' ratio
+def _with_calibration(profile: Profile, runs: list[dict[str, Any]]) -> Profile:
+    data = profile.to_dict()
+    data["calibration"] = {"results": runs}
+    return Profile.from_dict(data)
+
+
+def test_a_measured_stock_set_up_scales_its_predictions_and_fits_no_residual() -> None:
+    base = synthetic_profile("cnn")
+    plain = CostModel.fit(base)
+    ours = Policy.from_dict(preset("powersgd1").policy())
+    at_link = plain.predict(ours).step_s
+    # PyTorch's hook measured 1.5x our equivalent's prediction where the profile was taken
+    profile = _with_calibration(base, [{"policy": None, "step_s": 1.5 * at_link,
+                                        "source": "verify", "stock": "powersgd1"}])
+    model = CostModel.fit(profile)
+    assert model.residual is None  # a stock run is not a policy the residual learns from
+    assert model.stock_ratios == {"powersgd1": pytest.approx(1.5)}
+    slow = WhatIf(bandwidth_bps=1e8)
+    assert model.predict_stock("powersgd1", slow) == pytest.approx(1.5 * plain.predict(ours, slow).step_s)
+    # not measured: our equivalent's prediction as it is
+    fp16 = Policy.from_dict(preset("fp16").policy())
+    assert model.predict_stock("fp16", slow) == plain.predict(fp16, slow).step_s
+    again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again.stock_ratios == model.stock_ratios
+
+
+def test_a_stock_run_must_name_a_preset() -> None:
+    with pytest.raises(ProfileError, match=r"calibration.results\[0\].stock: not a preset: 'zip'"):
+        _with_calibration(synthetic_profile("cnn"), [{"policy": None, "step_s": 0.1, "stock": "zip"}])
+
+
+def test_verification_learns_its_stock_measurements_beside_our_policies() -> None:
+    profile = synthetic_profile("cnn")
+    ours = Policy.from_dict(preset("powersgd1").policy())
+    report = {
+        "stock:powersgd1": {"kind": "stock", "equivalent": "powersgd1", "measured_step_s": 0.3},
+        "stock:fp16": {"kind": "stock", "equivalent": "fp16", "measured_step_s": 0.2,
+                       "warmup_only": True},  # timed in its warm-up only: left out
+        "powersgd1": {"kind": "baseline", "policy_id": ours.id,
+                      "policy": ours.to_dict(), "measured_step_s": 0.2},
+    }
+    once = learned(profile.calibration, report)
+    twice = learned(once, {**report, "stock:powersgd1": {**report["stock:powersgd1"],
+                                                         "measured_step_s": 0.4}})
+    stock = [r for r in twice.results if r.stock is not None]
+    assert [(r.stock, r.step_s) for r in stock] == [("powersgd1", 0.4)]  # the older replaced
+    assert [r.policy_id for r in twice.results if r.stock is None] == [ours.id]
+    assert calibration_pairs(twice.results) == [(ours, 0.2)]

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -41,6 +41,7 @@ from autotune.models.simulator import (
     simulate,
 )
 from autotune.policies import Policy
+from autotune.presets import preset as get_preset
 from autotune.probes.profile import CalibrationRun, Profile
 
 __all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "calibration_pairs", "codec_features"]
@@ -70,9 +71,10 @@ def codec_features(spec: CompressorSpec, shape: tuple[int, ...],
 
 def calibration_pairs(results: Sequence[CalibrationRun]) -> list[tuple[Policy | None, float]]:
     """A profile's calibration results as the (policy, median step seconds) pairs
-    :meth:`CostModel.fit_residual` learns from."""
+    :meth:`CostModel.fit_residual` learns from: our policies' runs (a stock set-up's run
+    is PyTorch's hook, not a policy the model describes)."""
     return [(None if r.policy is None else Policy.from_dict(r.policy, source="calibration"),
-             float(r.step_s)) for r in results]
+             float(r.step_s)) for r in results if r.stock is None]
 
 
 def _link_bps(profile: Profile) -> float | None:
@@ -91,6 +93,11 @@ def _intra_fit(profile: Profile) -> tuple[float, float] | None:
     if not fit or not fit.bandwidth_Bps:
         return None
     return float(fit.latency_s), float(fit.bandwidth_Bps)
+
+
+def _equivalent(name: str) -> Policy:
+    """Our policy for a preset's stock set-up (DDP's: the plain policy)."""
+    return Policy.from_dict(get_preset(name).policy(), source=f"preset {name}")
 
 
 def row_densities(profile: Profile) -> dict[str, float]:
@@ -141,6 +148,9 @@ class CostModel:
     # the intra-host link class's point-to-point fit (latency_s, bandwidth_Bps), when the
     # profiled job had ranks sharing a host; what hierarchical policies are simulated on
     intra: tuple[float, float] | None = None
+    # per preset: its stock set-up's measured step over our equivalent's prediction, on
+    # the profiled job (see predict_stock)
+    stock_ratios: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ fitting
     @classmethod
@@ -182,9 +192,13 @@ class CostModel:
             link_bps=_link_bps(profile), fingerprint=profile.fingerprint, cv_error=cv,
             hosts=profile.env.hosts or 1, intra=_intra_fit(profile),
         )
-        pairs = list(profile.calibration.results) if residual else []
+        pairs = calibration_pairs(profile.calibration.results) if residual else []
         if len(pairs) >= 3:
-            model.fit_residual(calibration_pairs(pairs))
+            model.fit_residual(pairs)
+        if residual:
+            model.stock_ratios = {
+                r.stock: float(r.step_s) / model.predict(_equivalent(r.stock)).step_s
+                for r in profile.calibration.results if r.stock is not None}
         return model
 
     def fit_residual(self, pairs: list[tuple[Policy | None, float]]) -> CostModel:
@@ -307,6 +321,18 @@ class CostModel:
             est = StepEstimate(**{**est.__dict__, "step_s": corrected})
         return est
 
+    def predict_stock(self, preset: str, what_if: WhatIf | None = None) -> float:
+        """Predicted step seconds of a preset's stock set-up (PyTorch's own hook, or DDP).
+
+        The model describes our policies; PyTorch's hooks run the same methods at another
+        cost (its PowerSGD hook: one bucket on gloo, full-size tensors each step, 1.2-2x
+        our PowerSGD in bench/vs_stock.py). So the prediction is our equivalent's, scaled
+        by the ratio of the stock set-up's step measured on the profiled job (verification
+        measures both) to the model's prediction of our equivalent there; without such a
+        measurement, our equivalent's prediction as it is."""
+        step = self.predict(_equivalent(preset), what_if).step_s
+        return step * self.stock_ratios.get(preset, 1.0)
+
     # -------------------------------------------------------------- persistence
     def to_dict(self) -> dict[str, Any]:
         c = self.compute
@@ -331,6 +357,7 @@ class CostModel:
             "residual": self.residual.to_json_dict() if self.residual is not None else None,
             "cv_error": {k: (None if v is None or math.isnan(v) else v)
                          for k, v in (self.cv_error or {}).items()},
+            "stock_ratios": dict(self.stock_ratios),
         }
 
     @classmethod
@@ -365,7 +392,10 @@ class CostModel:
                 hosts=int(data.get("hosts", 1)),
                 intra=(tuple(float(v) for v in data["intra"])  # type: ignore[arg-type]
                        if data.get("intra") else None),
+                stock_ratios={str(k): float(v) for k, v in (data.get("stock_ratios") or {}).items()},
             )
+            if any(not (math.isfinite(v) and v > 0) for v in model.stock_ratios.values()):
+                raise ValueError("a stock ratio is not a positive number")
             # The file is JSON someone may have edited: a model that cannot predict plain
             # DDP is refused here, not in the middle of a search.
             step = model.predict(None).step_s

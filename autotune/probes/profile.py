@@ -36,6 +36,7 @@ from autotune.errors import AutotuneError, ProfileError
 from autotune.jsonio import dumps, freeze, json_type, read_json, thaw, write_atomic
 from autotune.links import parse_link
 from autotune.policies import Policy
+from autotune.presets import PRESETS
 
 __all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Calibration", "CalibrationRun", "CodecCost",
            "CodecError", "Codecs", "Compute", "DensityTiming", "Entry", "Env", "ModuleTiming",
@@ -43,6 +44,7 @@ __all__ = ["PROFILE_VERSION", "ROW_SPARSE_BELOW", "Calibration", "CalibrationRun
            "RowStructure", "Section", "Workload", "load_profile"]
 
 PROFILE_VERSION = 1
+PRESET_NAMES = frozenset(p.name for p in PRESETS)  # what a stock calibration run may name
 # A parameter whose busiest rank leaves more than half of its gradient's rows zero is
 # row-sparse: the search gives it rowsparse as an option, `autotune show` lists it. The
 # codec probe measures it (codecs.structure); it lives here, with the profile, so that
@@ -204,13 +206,17 @@ class RowStructure(Entry):
 @dataclass(frozen=True, kw_only=True)
 class CalibrationRun(Entry):
     """A measured step time of a policy on the profiled job, in ``calibration.results``
-    (``extra``: every step's time)."""
+    (``extra``: every step's time); or, with ``stock``, of a preset's stock set-up
+    (PyTorch's own hook), which the cost model's residual does not learn from: it scales
+    the model's predictions of that preset's stock set-up instead
+    (:meth:`autotune.models.cost_model.CostModel.predict_stock`)."""
 
     ALWAYS: ClassVar[frozenset[str]] = frozenset({"policy"})
     policy: Mapping[str, Any] | None = None  # the policy's JSON; None: plain DDP
     step_s: float  # the median
     source: str | None = None  # who measured it: "verify", or None (the profile job)
     policy_id: str | None = None  # verify's: the policy's id, replaced when measured again
+    stock: str | None = None  # a preset's name: its stock set-up was measured, not a policy
 
 
 def _entry_fields(kind: type[Entry]) -> tuple[str, ...]:
@@ -555,8 +561,11 @@ class Calibration(Section):
             v.number(row, f"{path}.step_s", low=0.0, low_open=True, high=MAX_SECONDS)
             if row.get("policy") is not None:
                 v.policy(row["policy"], f"{path}.policy")
-            for key in ("source", "policy_id"):
+            for key in ("source", "policy_id", "stock"):
                 v.optional(row, f"{path}.{key}", v.string)
+            if row.get("stock") is not None and row["stock"] not in PRESET_NAMES:
+                _fail(v.source, f"{path}.stock", f"not a preset: {row['stock']!r} (presets: "
+                                                 f"{', '.join(sorted(PRESET_NAMES))})")
 
 
 _SECTION_TYPES: dict[str, type[Section]] = {

@@ -272,17 +272,23 @@ def model_accuracy(report: dict[str, Any], times: dict[str, list[float]] | None 
 
 
 def learned(calibration: Calibration, report: dict[str, Any]) -> Calibration:
-    """The profile's calibration section with verification's measurements of our own
-    policies added (``source: "verify"``), so that the next fit of the cost model's
-    residual learns from them; an older measurement of the same policy is replaced."""
+    """The profile's calibration section with verification's measurements added
+    (``source: "verify"``): of our own policies, which the next fit of the cost model's
+    residual learns from, and of the presets' stock set-ups (``stock``: the preset's
+    name), which scale its predictions of those; an older measurement of the same
+    policy or stock set-up is replaced."""
     # a set-up timed in its warm-up steps only (clearly slower) is left out: those steps
     # may still carry one-time costs
-    measured = {r["policy_id"]: r for r in report.values()
-                if isinstance(r, dict) and r.get("policy_id") and r.get("policy") is not None
-                and not r.get("warmup_only")}
-    keep = [r for r in calibration.results if not (r.source == "verify" and r.policy_id in measured)]
+    rows = [r for r in report.values() if isinstance(r, dict) and not r.get("warmup_only")
+            and r.get("measured_step_s") is not None]
+    measured = {r["policy_id"]: r for r in rows if r.get("policy_id") and r.get("policy") is not None}
+    stock = {r["equivalent"]: r for r in rows if r.get("kind") == "stock" and r.get("equivalent")}
+    keep = [r for r in calibration.results if r.source != "verify" or (
+        r.policy_id not in measured if r.stock is None else r.stock not in stock)]
     keep += [CalibrationRun(policy=r["policy"], step_s=r["measured_step_s"], source="verify",
                             policy_id=policy_id) for policy_id, r in measured.items()]
+    keep += [CalibrationRun(policy=None, step_s=r["measured_step_s"], source="verify", stock=name)
+             for name, r in stock.items()]
     return replace(calibration, results=tuple(keep))
 
 
