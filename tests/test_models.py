@@ -19,7 +19,7 @@ from autotune.cli import main
 from autotune.compressors import CompressorSpec, create
 from autotune.errors import ProfileError
 from autotune.models.buckets import ParamInfo, ddp_buckets
-from autotune.models.cost_model import CostModel, calibration_pairs, load_cost_model
+from autotune.models.cost_model import CostModel, calibration_pairs, load_cost_model, stock_ratios
 from autotune.models.estimators import (
     CodecTimeRegressor,
     CollectiveTimeRegressor,
@@ -468,16 +468,19 @@ def test_a_measured_stock_set_up_scales_its_predictions_and_fits_no_residual() -
     base = synthetic_profile("cnn")
     plain = CostModel.fit(base)
     ours = Policy.from_dict(preset("powersgd1").policy())
-    at_link = plain.predict(ours).step_s
-    # PyTorch's hook measured 1.5x our equivalent's prediction where the profile was taken
-    profile = _with_calibration(base, [{"policy": None, "step_s": 1.5 * at_link,
-                                        "source": "verify", "stock": "powersgd1"}])
+    # verification measured PyTorch's hook at 1.5x our equivalent, interleaved beside it
+    runs = [{"policy": ours.to_dict(), "step_s": 0.2, "source": "verify", "policy_id": ours.id},
+            {"policy": None, "step_s": 0.3, "source": "verify", "stock": "powersgd1"},
+            {"policy": None, "step_s": 0.5, "source": "verify", "stock": "fp16"}]  # no ours
+    profile = _with_calibration(base, runs)
     model = CostModel.fit(profile)
-    assert model.residual is None  # a stock run is not a policy the residual learns from
     assert model.stock_ratios == {"powersgd1": pytest.approx(1.5)}
+    # the residual learns from the one policy run only (under 3: none is fitted)
+    assert calibration_pairs(profile.calibration.results) == [(ours, 0.2)]
+    assert model.residual is None
     slow = WhatIf(bandwidth_bps=1e8)
     assert model.predict_stock("powersgd1", slow) == pytest.approx(1.5 * plain.predict(ours, slow).step_s)
-    # not measured: our equivalent's prediction as it is
+    # not measured beside ours: our equivalent's prediction as it is
     fp16 = Policy.from_dict(preset("fp16").policy())
     assert model.predict_stock("fp16", slow) == plain.predict(fp16, slow).step_s
     again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
@@ -493,15 +496,19 @@ def test_verification_learns_its_stock_measurements_beside_our_policies() -> Non
     profile = synthetic_profile("cnn")
     ours = Policy.from_dict(preset("powersgd1").policy())
     report = {
-        "stock:powersgd1": {"kind": "stock", "equivalent": "powersgd1", "measured_step_s": 0.3},
+        "stock:powersgd1": {"kind": "stock", "equivalent": "powersgd1", "measured_step_s": 0.3,
+                            "steps": 6},
         "stock:fp16": {"kind": "stock", "equivalent": "fp16", "measured_step_s": 0.2,
-                       "warmup_only": True},  # timed in its warm-up only: left out
+                       "steps": 2},  # too few steps: left out
+        "stock:ddp": {"kind": "stock", "equivalent": "ddp", "measured_step_s": 0.2, "steps": 8,
+                      "warmup_only": True},  # timed in its warm-up only: left out
         "powersgd1": {"kind": "baseline", "policy_id": ours.id,
-                      "policy": ours.to_dict(), "measured_step_s": 0.2},
+                      "policy": ours.to_dict(), "measured_step_s": 0.2, "steps": 6},
     }
     once = learned(profile.calibration, report)
     twice = learned(once, {**report, "stock:powersgd1": {**report["stock:powersgd1"],
                                                          "measured_step_s": 0.4}})
+    assert stock_ratios(twice.results) == {"powersgd1": pytest.approx(2.0)}
     stock = [r for r in twice.results if r.stock is not None]
     assert [(r.stock, r.step_s) for r in stock] == [("powersgd1", 0.4)]  # the older replaced
     assert [r.policy_id for r in twice.results if r.stock is None] == [ours.id]

@@ -44,7 +44,8 @@ from autotune.policies import Policy
 from autotune.presets import preset as get_preset
 from autotune.probes.profile import CalibrationRun, Profile
 
-__all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "calibration_pairs", "codec_features"]
+__all__ = ["CostModel", "load_cost_model", "MODEL_VERSION", "calibration_pairs", "codec_features",
+           "stock_ratios"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,20 @@ def _intra_fit(profile: Profile) -> tuple[float, float] | None:
     if not fit or not fit.bandwidth_Bps:
         return None
     return float(fit.latency_s), float(fit.bandwidth_Bps)
+
+
+def stock_ratios(results: Sequence[CalibrationRun]) -> dict[str, float]:
+    """Per preset: its stock set-up's step over our equivalent's, both as verification
+    measured them in one interleaved job (so the machine's drift cancels), for the
+    presets with both in ``results``."""
+    ours = {r.policy_id: float(r.step_s) for r in results
+            if r.source == "verify" and r.stock is None and r.policy_id}
+    out = {}
+    for r in results:
+        mine = ours.get(_equivalent(r.stock).id) if r.stock is not None else None
+        if mine:
+            out[str(r.stock)] = float(r.step_s) / mine
+    return out
 
 
 def _equivalent(name: str) -> Policy:
@@ -196,9 +211,7 @@ class CostModel:
         if len(pairs) >= 3:
             model.fit_residual(pairs)
         if residual:
-            model.stock_ratios = {
-                r.stock: float(r.step_s) / model.predict(_equivalent(r.stock)).step_s
-                for r in profile.calibration.results if r.stock is not None}
+            model.stock_ratios = stock_ratios(profile.calibration.results)
         return model
 
     def fit_residual(self, pairs: list[tuple[Policy | None, float]]) -> CostModel:
@@ -327,9 +340,8 @@ class CostModel:
         The model describes our policies; PyTorch's hooks run the same methods at another
         cost (its PowerSGD hook: one bucket on gloo, full-size tensors each step, 1.2-2x
         our PowerSGD in bench/vs_stock.py). So the prediction is our equivalent's, scaled
-        by the ratio of the stock set-up's step measured on the profiled job (verification
-        measures both) to the model's prediction of our equivalent there; without such a
-        measurement, our equivalent's prediction as it is."""
+        by the stock/ours ratio verification measured, interleaved, on the profiled job
+        (:func:`stock_ratios`); without it, our equivalent's prediction as it is."""
         step = self.predict(_equivalent(preset), what_if).step_s
         return step * self.stock_ratios.get(preset, 1.0)
 

@@ -271,18 +271,25 @@ def model_accuracy(report: dict[str, Any], times: dict[str, list[float]] | None 
     return out
 
 
+STOCK_MIN_STEPS = 6  # timed steps of a stock set-up before its ratio to ours is learned
+
+
 def learned(calibration: Calibration, report: dict[str, Any]) -> Calibration:
     """The profile's calibration section with verification's measurements added
     (``source: "verify"``): of our own policies, which the next fit of the cost model's
-    residual learns from, and of the presets' stock set-ups (``stock``: the preset's
-    name), which scale its predictions of those; an older measurement of the same
-    policy or stock set-up is replaced."""
+    residual learns from, and of the presets' stock set-ups timed :data:`STOCK_MIN_STEPS`
+    steps or more (``stock``: the preset's name), whose ratio to our equivalent measured
+    beside them scales the model's predictions of those; an older measurement of the
+    same policy or stock set-up is replaced."""
     # a set-up timed in its warm-up steps only (clearly slower) is left out: those steps
     # may still carry one-time costs
     rows = [r for r in report.values() if isinstance(r, dict) and not r.get("warmup_only")
             and r.get("measured_step_s") is not None]
     measured = {r["policy_id"]: r for r in rows if r.get("policy_id") and r.get("policy") is not None}
-    stock = {r["equivalent"]: r for r in rows if r.get("kind") == "stock" and r.get("equivalent")}
+    # a stock set-up from enough steps only: PyTorch's PowerSGD hook's first compressed
+    # steps cost up to 2.6x its later ones (cnn at 1 Gbit: 469 ms in two, 265 in 60 s)
+    stock = {r["equivalent"]: r for r in rows if r.get("kind") == "stock" and r.get("equivalent")
+             and r.get("steps", 0) >= STOCK_MIN_STEPS}
     keep = [r for r in calibration.results if r.source != "verify" or (
         r.policy_id not in measured if r.stock is None else r.stock not in stock)]
     keep += [CalibrationRun(policy=r["policy"], step_s=r["measured_step_s"], source="verify",
