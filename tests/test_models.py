@@ -513,3 +513,15 @@ def test_verification_learns_its_stock_measurements_beside_our_policies() -> Non
     assert [(r.stock, r.step_s) for r in stock] == [("powersgd1", 0.4)]  # the older replaced
     assert [r.policy_id for r in twice.results if r.stock is None] == [ours.id]
     assert calibration_pairs(twice.results) == [(ours, 0.2)]
+
+
+def test_show_names_the_stock_set_ups_a_profile_measured(tmp_path: Path, capsys) -> None:
+    ours = Policy.from_dict(preset("powersgd1").policy())
+    path = tmp_path / "p.json"
+    _with_calibration(synthetic_profile("cnn"), [
+        {"policy": ours.to_dict(), "step_s": 0.2, "source": "verify", "policy_id": ours.id},
+        {"policy": None, "step_s": 0.3, "source": "verify", "stock": "powersgd1"}]).save(path)
+    assert main(["show", str(path)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "calibration: 1 policies measured" in shown
+    assert "stock set-ups measured beside our equivalents: powersgd1" in shown

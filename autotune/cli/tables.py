@@ -42,12 +42,16 @@ def print_profile(console: Console, profile: Profile, top: int = 10) -> None:
     _compute(console, profile, top)
     _codecs(console, profile)
     _structure(console, profile, top)
-    cal = profile.calibration.results
+    cal = [r for r in profile.calibration.results if r.stock is None]
+    stock = sorted({r.stock for r in profile.calibration.results if r.stock is not None})
     if cal:
         steps = sorted(r.step_s for r in cal)
         console.print(f"calibration: {len(cal)} policies measured on the live job "
                       f"({steps[0] * 1e3:.0f}-{steps[-1] * 1e3:.0f} ms per step); they fit the "
                       "cost model's residual")
+    if stock:
+        console.print(f"stock set-ups measured beside our equivalents: {', '.join(stock)}; "
+                      "their ratio scales the model's predictions of them")
 
 
 def _network(console: Console, profile: Profile) -> None:
