@@ -10,6 +10,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -142,7 +143,7 @@ def rank_abandon(save: str, log: str, link_bound: bool) -> dict[str, Any]:
     tested alone): rank 0 kills its worker and every rank settles on plain DDP. The job
     is taken as link-bound (the network probe first) or CPU-bound (weighed first)."""
     controller.HIDDEN_MARGIN = -1.0
-    controller.LINK_BOUND = 0.0 if link_bound else 1.0
+    controller.LINK_BOUND = -math.inf if link_bound else math.inf
     controller.SEARCH_COST_STEPS = 1
     controller.Controller._search_costs_more = (  # type: ignore[method-assign]
         lambda self: "forced: the search costs more" if self._search_steps else None)
@@ -153,7 +154,7 @@ def rank_abandon(save: str, log: str, link_bound: bool) -> dict[str, Any]:
     return {"events": [e["event"] for e in ddp.controller.events],
             "summary": ddp.controller.summary, "policy_id": ddp.policy.id,
             "phase": ddp.controller.phase, "worker_gone": ddp.controller._worker is None,
-            "digest": _digest(work.model)}
+            "profiler_gone": ddp.controller._profiler is None, "digest": _digest(work.model)}
 
 
 def rank_rebucket(steps: int = 12) -> dict[str, Any]:
@@ -259,6 +260,7 @@ def test_a_search_costing_more_than_it_can_win_is_abandoned_for_plain_ddp(
     assert ("network_probe" in a["events"]) == link_bound
     assert "searched" not in a["events"] and "switch" not in a["events"]
     assert a["worker_gone"] and a["summary"]["why"] == "forced: the search costs more"
+    assert a["profiler_gone"]  # its hooks on every parameter come off with the search
     assert a["phase"] == b["phase"] == "settled" and a["digest"] == b["digest"]
     saved = load_policy(save)
     assert saved.id == a["policy_id"] and saved.is_plain

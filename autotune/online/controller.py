@@ -692,6 +692,9 @@ class Controller:
     def _give_up_search(self, why: str) -> tuple[bytes, int, int, int]:
         """Rank 0: end the search for plain DDP (see :meth:`_search_costs_more`)."""
         self._stop_search()
+        if self._profiler is not None:  # given up while weighed: its hooks come off
+            self._profiler.close()
+            self._profiler = None
         self._log({"event": "search_abandoned", "step": self.step, "why": why})
         return self._conclude(None, None, why=why)
 
