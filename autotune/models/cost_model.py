@@ -163,8 +163,8 @@ class CostModel:
     # the intra-host link class's point-to-point fit (latency_s, bandwidth_Bps), when the
     # profiled job had ranks sharing a host; what hierarchical policies are simulated on
     intra: tuple[float, float] | None = None
-    # per preset: its stock set-up's measured step over our equivalent's prediction, on
-    # the profiled job (see predict_stock)
+    # per preset: its stock set-up's step over our equivalent's, both measured by
+    # verification on the profiled job (stock_ratios; see predict_stock)
     stock_ratios: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ fitting

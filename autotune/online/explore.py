@@ -7,9 +7,10 @@ all run the same policy at the same step) and hands each finished step's time ba
 A block is one settling step (not timed: after a switch PowerSGD builds its state, and
 after a bucket change DDP's first iteration runs in one bucket while it learns the
 gradient order; two at a contender's first block, whose first steps also load what it
-first uses, such as compiled codec kernels) and ``trial_steps`` timed steps. Contenders are visited in the order of
-their predicted step time, so the fast ones come first and the steps between trials run
-the best policy found so far, not the slow start: that is what keeps degraded steps few.
+first uses, such as compiled codec kernels) and ``trial_steps`` timed steps. Contenders
+are visited in the order of their predicted step time, so the fast ones come first and
+the steps between trials run the best policy found so far, not the slow start: that is
+what keeps degraded steps few.
 
 Three rules drop a contender, each costing its user fewer slow steps than measuring it
 fully: a timed step beyond ``abort_above`` times the incumbent's median ends its block at
