@@ -65,8 +65,13 @@ class Preset:
 
     def variants(self) -> list[tuple[str, float]]:
         """(name, bucket cap) of our equivalent at each of :attr:`caps`."""
-        return [(self.name if cap == DDP_BUCKET_CAP_MB else f"{self.name}{cap:g}mb", cap)
-                for cap in self.caps]
+        return [(self.variant_name(cap), cap) for cap in self.caps]
+
+    def variant_name(self, bucket_cap_mb: float) -> str:
+        """What our equivalent at ``bucket_cap_mb`` is called (``fp16``, ``ddp5mb``)."""
+        if bucket_cap_mb == DDP_BUCKET_CAP_MB:
+            return self.name
+        return f"{self.name}{bucket_cap_mb:g}mb"
 
     def setup(self, name: str | None = None) -> dict[str, Any]:
         """The stock set-up for :mod:`autotune.measure`, called ``name`` (default

@@ -152,9 +152,32 @@ def rank_abandon(save: str, log: str, link_bound: bool) -> dict[str, Any]:
     opt = torch.optim.Adam(work.model.parameters(), lr=1e-3)
     _train_until_settled(ddp, work, opt)
     return {"events": [e["event"] for e in ddp.controller.events],
+            "switches": [e["new_policy"] for e in ddp.controller.events if e["event"] == "switch"],
             "summary": ddp.controller.summary, "policy_id": ddp.policy.id,
+            "plain": ddp.policy.is_plain,
             "phase": ddp.controller.phase, "worker_gone": ddp.controller._worker is None,
             "profiler_gone": ddp.controller._profiler is None, "digest": _digest(work.model)}
+
+
+def rank_stand_in(log: str, keep: bool) -> dict[str, Any]:
+    """A job taken as link-bound runs the stand-in beside its search: kept (the trials
+    start from it, and it is forced to win) or measured slower than the DDP start
+    (forced), when every rank goes back to plain DDP before the trials."""
+    _force_winner("fp16")
+    controller.LINK_BOUND = -math.inf
+    controller.STAND_IN_KEEP = math.inf if keep else 0.0
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, "auto", log=log, **FAST)
+    opt = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    _train_until_settled(ddp, work, opt)
+    events = ddp.controller.events
+    return {"events": [e["event"] for e in events],
+            "switches": [(e["step"], e["new_policy"]) for e in events if e["event"] == "switch"],
+            "searched": next((e for e in events if e["event"] == "searched"), None),
+            "stand_in": next((e for e in events if e["event"] == "stand_in"), None),
+            "weighed": next((e for e in events if e["event"] == "stand_in_weighed"), None),
+            "compressors": sorted({s.name for s in ddp.policy.compressors()}),
+            "summary": ddp.controller.summary, "digest": _digest(work.model)}
 
 
 def rank_rebucket(steps: int = 12) -> dict[str, Any]:
@@ -258,12 +281,39 @@ def test_a_search_costing_more_than_it_can_win_is_abandoned_for_plain_ddp(
     # a CPU-bound job is weighed on the steps beside the worker's start, before the
     # network probe; a link-bound one probes first, its worker importing meanwhile
     assert ("network_probe" in a["events"]) == link_bound
-    assert "searched" not in a["events"] and "switch" not in a["events"]
+    assert "searched" not in a["events"]
+    # a link-bound job ran the stand-in beside the search: given up, it goes back too
+    assert ("stand_in" in a["events"]) == link_bound
+    assert len(a["switches"]) == (2 if link_bound else 0) and a["switches"] == b["switches"]
+    assert a["plain"] and b["plain"]
     assert a["worker_gone"] and a["summary"]["why"] == "forced: the search costs more"
     assert a["profiler_gone"]  # its hooks on every parameter come off with the search
     assert a["phase"] == b["phase"] == "settled" and a["digest"] == b["digest"]
     saved = load_policy(save)
     assert saved.id == a["policy_id"] and saved.is_plain
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_link_bound_job_runs_a_stand_in_beside_its_search(run_ranks, tmp_path: Path,
+                                                             keep: bool) -> None:
+    a, b = run_ranks("test_auto:rank_stand_in", log=str(tmp_path / "a.jsonl"), keep=keep,
+                     timeout=400)
+    assert a["switches"] == b["switches"] and a["digest"] == b["digest"]
+    kinds = a["events"]
+    assert kinds.index("network_probe") < kinds.index("stand_in") < kinds.index("searched")
+    assert a["stand_in"]["contender"] == "fp16" and 0 < a["stand_in"]["error"] < 0.01
+    assert a["weighed"]["kept"] is keep
+    assert kinds.index("stand_in_weighed") < kinds.index("searched")
+    stand_in_id = a["stand_in"]["policy_id"]
+    assert a["switches"][0][1] == stand_in_id  # in force from the step after its announcement
+    searched = a["searched"]
+    assert searched["forked"]  # a link-bound job's search is a fork of rank 0
+    if keep:  # the trials start from it: it is the incumbent, not plain DDP
+        assert searched["current"] == "fp16" and "fp16" in searched["contenders"]
+        assert a["summary"]["policy"] == "fp16" and a["compressors"] == ["fp16"]
+    else:  # back to plain DDP before the reply: the trials start from plain DDP
+        assert a["switches"][1][1] != stand_in_id
+        assert searched["current"] == "ddp"
 
 
 def test_the_search_is_abandoned_only_when_it_slows_steps_more_than_ddp_exposes() -> None:

@@ -71,8 +71,8 @@ from autotune.models.simulator import WhatIf
 from autotune.online.config import OnlineConfig
 from autotune.online.explore import Contender, Exploration
 from autotune.online.live import LiveProfiler, live_environment
-from autotune.online.search import contender_from_dict, trial_contenders
-from autotune.online.worker import SearchWorker
+from autotune.online.search import contender_from_dict, stand_in, trial_contenders
+from autotune.online.worker import ForkedSearch, SearchWorker, fork_safe
 from autotune.policies import Policy
 from autotune.probes.network import probe_network
 from autotune.probes.profile import CalibrationRun, Profile
@@ -119,6 +119,10 @@ SEARCH_COST_STEPS = 4
 # job whose exposed communication is under LINK_BOUND of its step
 WEIGH_STEPS = 4
 LINK_BOUND = 0.5
+# a link-bound job's stand-in during the search is weighed on this many timed steps and
+# kept when their median is at most STAND_IN_KEEP times the DDP start's
+STAND_IN_STEPS = 4
+STAND_IN_KEEP = 1.0
 SEARCH_TIMEOUT_S = 120.0  # the auto search's reply, beyond 10 x budget_s: else plain DDP
 GIL_SLICE_S = 0.0005  # the interpreter's switch interval while a background search runs
 
@@ -235,8 +239,15 @@ class Controller:
         self._exploration: Exploration | None = None
         self._stall_s = 0.0  # the network probe's time (outside any step)
         self._totals = {"explorations": 0, "explore_steps": 0, "degraded_steps": 0}
-        self._worker: SearchWorker | None = None
+        self._worker: SearchWorker | ForkedSearch | None = None
+        self._fork = False  # the search forks rank 0 when it starts (see _hidden)
         self._reply: dict[str, Any] | None = None  # a thread search's reply
+        # a link-bound job's stand-in while its search runs (see _choose_stand_in): the
+        # policy it replaced, the stand-in's first timed step (None: not on trial) and
+        # its timed steps
+        self._start_policy: Policy | None = None
+        self._stand_in_from: int | None = None
+        self._stand_in_steps: list[float] = []
         if auto and self.rank == 0:
             self._profiler = LiveProfiler(module, state)  # type: ignore[arg-type]
         if auto and config.save is not None and self.rank == 0:
@@ -591,17 +602,27 @@ class Controller:
             self.phase = "network"
             return b"", 0, _NETWORK, 1
         if self.phase == "network":
-            self._start_auto_search()
+            chosen = self._choose_stand_in()  # from the copied gradients: before the search
+            self._start_auto_search(chosen)
             self.phase = "search"
-            return b"", 0, 0, SEARCH_POLL_STEPS
+            if chosen is None:
+                return b"", 0, 0, SEARCH_POLL_STEPS
+            self._start_policy = self.state.policy
+            payload, switch = self._announce(chosen[1], {"reason": "stand-in",
+                                                         "contender": chosen[0]}, lead=1)
+            self._stand_in_from = switch + 1  # its first step settles
+            return payload, switch, 0, SEARCH_POLL_STEPS
         if self.phase == "search":
             reply = self._poll_search()
             if reply is None:
                 self._search_steps.extend(window.step_s)
                 why = self._search_costs_more()
-                if why is None:
-                    return b"", 0, 0, SEARCH_POLL_STEPS
-                return self._give_up_search(why)
+                if why is not None:
+                    return self._give_up_search(why)
+                back = self._weigh_stand_in(window.step_s)
+                if back is not None:
+                    return (*back, 0, SEARCH_POLL_STEPS)
+                return b"", 0, 0, SEARCH_POLL_STEPS
             if not self._adopt(reply):  # the search failed: keep plain DDP
                 return self._conclude(None, None)
             self.phase = "trial"
@@ -646,13 +667,18 @@ class Controller:
         self._log({"event": "instrumented", "step": self.step, "ddp_step_s": reference,
                    "floor_s": floor})
         if reference > (1 + HIDDEN_MARGIN) * floor:
-            # a search will run: start its worker now, so that its imports overlap the
-            # network probe (not at wrap: they would compete with the reference steps
-            # for the cores, and slow a job that turns out to have nothing to gain)
-            try:
-                self._worker = SearchWorker()
-            except OSError as exc:
-                logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
+            # a search will run. On a link-bound job it forks rank 0 when it starts,
+            # which has everything loaded (a fresh worker's imports are half its work);
+            # else start a fresh worker now, so that its imports overlap the network
+            # probe, and its start is what the search is weighed on (not at wrap: they
+            # would compete with the reference steps for the cores, and slow a job that
+            # turns out to have nothing to gain)
+            self._fork = self._link_bound() and fork_safe()
+            if not self._fork:
+                try:
+                    self._worker = SearchWorker()
+                except OSError as exc:
+                    logger.warning("auto: no search worker (%s); the search runs on a thread", exc)
             return None
         self._profiler.close()
         self._profiler = None
@@ -689,6 +715,48 @@ class Controller:
                 f"leaves to win ({(reference - floor) * 1e3:.1f} ms of its "
                 f"{reference * 1e3:.1f} ms step are exposed communication): plain DDP stays")
 
+    def _choose_stand_in(self) -> tuple[str, Policy] | None:
+        """Rank 0, as a link-bound job's search starts: what runs instead of plain DDP
+        until the trials (:func:`~autotune.online.search.stand_in`: a cast within the
+        error budget that halves the bytes on the link; None: plain DDP runs on). The
+        search's steps then run below the DDP start, not beside it, and the trials start
+        from it (the incumbent)."""
+        assert self._profiler is not None
+        if not self._link_bound():
+            return None
+        found = stand_in(self._profiler.grads, self.state.policy, pinned=self.config.pinned,
+                         max_error=self._max_error(), world_size=self.world)
+        if found is None:
+            return None
+        name, policy, error = found
+        self._log({"event": "stand_in", "step": self.step, "contender": name,
+                   "policy_id": policy.id, "error": error})
+        return name, policy
+
+    def _weigh_stand_in(self, step_s: list[float]) -> tuple[bytes, int] | None:
+        """Rank 0, while the search runs: once the stand-in has :data:`STAND_IN_STEPS`
+        timed steps, keep it if their median is within :data:`STAND_IN_KEEP` of the DDP
+        start's, else announce the policy it replaced (returned: the announcement)."""
+        if self._stand_in_from is None or self._start_policy is None:
+            return None
+        first = self.step - len(step_s)  # the step whose time is step_s[0]
+        self._stand_in_steps += [t for i, t in enumerate(step_s) if first + i >= self._stand_in_from]
+        if len(self._stand_in_steps) < STAND_IN_STEPS:
+            return None
+        self._stand_in_from = None
+        measured = statistics.median(self._stand_in_steps)
+        reference = statistics.median(self._ddp_steps)
+        kept = measured <= STAND_IN_KEEP * reference
+        self._log({"event": "stand_in_weighed", "step": self.step, "step_s": measured,
+                   "ddp_step_s": reference, "kept": kept})
+        if kept:
+            if self._worker is not None:  # the steps have time to spare: the search ends sooner
+                self._log({"event": "search_boosted", "step": self.step,
+                           "done": self._worker.boost()})
+            return None
+        start, self._start_policy = self._start_policy, None
+        return self._announce(start, {"reason": "stand-in slower than the DDP start"}, lead=1)
+
     def _give_up_search(self, why: str) -> tuple[bytes, int, int, int]:
         """Rank 0: end the search for plain DDP (see :meth:`_search_costs_more`)."""
         self._stop_search()
@@ -705,24 +773,29 @@ class Controller:
             self._worker.close(wait=False)
             self._worker = None
 
-    def _start_auto_search(self) -> None:
+    def _start_auto_search(self, chosen: tuple[str, Policy] | None = None) -> None:
         """Hand the measurements (the instrumented steps' compute, the copied
         gradients, the network probe) to the search: on the worker process, or a
-        thread."""
+        thread. ``chosen``: the stand-in (its name and policy), the policy in force from
+        the next step, from which the trials start."""
         assert self._profiler is not None and self._network is not None and self._compute is not None
         compute = self._compute
         grads = self._profiler.grads
         self._profiler.close()
         self._profiler = None
         reference = statistics.median(self._ddp_steps)
+        current_name, current = chosen if chosen is not None else ("current", self.state.policy)
         request = {
             "compute": compute, "network": self._network, "env": live_environment(self._network),
-            "current": self.state.policy.to_dict(), "model_name": self._model_name,
+            "current": current.to_dict(), "current_name": current_name,
+            "model_name": self._model_name,
             "world_size": self.world, "reference_s": reference,
             "budget_s": self.config.budget_s, "codec_share": CODEC_SHARE,
             "trials": self.config.trials, "max_error": self._max_error(),
             "pinned": {k: dict(v) for k, v in self.config.pinned.items()},
             "rebucket": self.rebucket is not None, "candidates": self.config.candidates}
+        if self._fork:
+            self._worker = ForkedSearch()
         if self._worker is not None:
             try:
                 self._worker.submit(request, grads, timeout_s=SEARCH_TIMEOUT_S + 10 * self.config.budget_s)
@@ -737,7 +810,7 @@ class Controller:
             try:
                 with _short_gil_slices():
                     reply = auto_search(
-                        request["compute"], grads, request["network"], self.state.policy,
+                        request["compute"], grads, request["network"], current,
                         **{k: v for k, v in request.items()
                            if k not in ("compute", "network", "current")})
             except Exception as exc:  # noqa: BLE001 - a failed search keeps plain DDP
@@ -771,12 +844,21 @@ class Controller:
         self.profile = Profile.from_dict(reply["profile"], source="live profile")
         self._model = CostModel.from_dict(reply["model"], source="the live cost model")
         self._top = [Policy.from_dict(p, source="searched policy") for p in reply["top"]]
-        self._exploration = self._trials(
-            [contender_from_dict(c) for c in reply["contenders"]], reply["current"])
+        contenders = [contender_from_dict(c) for c in reply["contenders"]]
+        current = reply["current"]
+        in_force = self._pending[1] if self._pending is not None else self.state.policy
+        if next(c for c in contenders if c.name == current).policy.id != in_force.id:
+            # the stand-in went back to the policy it replaced while the search ran
+            current = next((c.name for c in contenders if c.policy.id == in_force.id), "start")
+            if current == "start":
+                contenders.insert(1, Contender(current, in_force, "current"))
+        self._exploration = self._trials(contenders, current)
         self._log({"event": "searched", "step": self.step, "codec_probe_s": reply["codec_probe_s"],
                    "search_s": reply["search_s"], "trials": reply["trials"],
-                   "worker": self._search is None,
-                   "contenders": list(self._exploration.order)})
+                   "worker": self._search is None, "forked": self._fork, "current": current,
+                   "timeline": reply.get("timeline"),
+                   "contenders": list(self._exploration.order),
+                   "predicted_s": {c.name: c.predicted_s for c in contenders}})
         return True
 
     def _trials(self, contenders: list[Contender], current: str) -> Exploration:
@@ -791,7 +873,12 @@ class Controller:
         exploration, self._exploration = self._exploration, None
         reference = statistics.median(self._ddp_steps) if self._ddp_steps else None
         current = self.state.policy
-        policy = current if winner is None else winner.policy
+        # no winner: the policy in force stays, or the one a stand-in stood in for
+        start, self._start_policy, self._stand_in_from = self._start_policy, None, None
+        if winner is None:
+            policy = start if start is not None and exploration is None else current
+        else:
+            policy = winner.policy
         ddp = None
         if winner is not None and exploration is not None:
             ddp = next((n for n in exploration.order
