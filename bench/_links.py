@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: where 2 ranks run for a link name, and how results are saved."""
+"""Shared by the benchmarks: where 2 ranks run for a link name, how results are saved,
+and the numba kernels made ready before anything is measured."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from typing import Any, Iterator
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
 from autotune.launch import local_placement
+
+
+def warm_kernels() -> None:
+    """Compile the codecs' numba kernels into numba's disk cache now, or load them from
+    it (:func:`autotune.compressors.kernels.warm`), and say how long that took: a fresh
+    clone's cache is cold, and its compilation (about 4 s) would land in the first
+    measured runs. A user pays it once per installation."""
+    from autotune.compressors import kernels
+
+    print(f"numba kernels ready in {kernels.warm():.1f} s (compiled once per installation, "
+          "then loaded from numba's cache)", flush=True)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _links import warm_kernels  # bench/ is on sys.path when a script runs
+
 from autotune.errors import AutotuneError
 from autotune.jsonio import write_atomic
 
@@ -114,6 +116,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "live_auto.json")
     args = parser.parse_args()
 
+    warm_kernels()
     work = Path(tempfile.mkdtemp(prefix="live-auto-"))
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):

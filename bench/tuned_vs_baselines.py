@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _links import save_cells, two_ranks  # bench/ is on sys.path when a script runs
+from _links import save_cells, two_ranks, warm_kernels  # bench/ is on sys.path when a script runs
 from rich.console import Console
 from rich.table import Table
 from scipy.stats import kendalltau
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         add_held_out(data["cells"], fit_link, args.show)
         report(console, data["cells"], data["args"]["verify"])
         return 0
+    warm_kernels()
     started = time.time()
     cells: list[dict[str, Any]] = []
 

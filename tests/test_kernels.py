@@ -110,3 +110,11 @@ def test_a_second_process_loads_every_kernel_from_numbas_cache() -> None:
     second = runs[1].stdout + runs[1].stderr
     assert "data loaded" in second
     assert "data saved" not in second, second
+
+
+def test_warm_makes_every_kernel_ready_and_says_how_long_it_took() -> None:
+    seconds = kernels.warm()
+    assert 0 < seconds < 300
+    # every kernel now has a compiled signature (or numba is absent and none is used)
+    if kernels.available():
+        assert all(f.signatures for f in vars(kernels.get()).values())

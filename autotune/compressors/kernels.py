@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["addend", "array", "available", "get", "use_for"]
+__all__ = ["addend", "array", "available", "get", "use_for", "warm"]
 
 ENV = "AUTOTUNE_KERNELS"  # "torch": never use these kernels
 CHUNK = 4096  # elements per step of a two-step loop (16 KB of fp32: stays in L1)
@@ -84,3 +84,26 @@ def get() -> Any:
     return SimpleNamespace(**{name: getattr(k, name) for name in (
         "sign_encode", "sign_residual", "sign_decode", "int8_encode", "int8_decode",
         "topk_select", "topk_trim", "topk_decode")})
+
+
+def warm() -> float:
+    """Run every registered compressor once on a small CPU tensor, so that each kernel
+    is compiled into numba's disk cache (about 4 s the first time after an install,
+    0.65 s once cached); returns the seconds it took. A benchmark calls it first: a
+    cold cache would otherwise be compiled inside its first measured runs (an auto
+    search's worker compiling every kernel at the lowest CPU priority did not reply
+    within a 200-step run)."""
+    import time
+
+    from autotune.compressors.comm import LocalComm
+    from autotune.compressors.registry import REGISTRY
+
+    started = time.perf_counter()
+    if available():
+        gen = torch.Generator().manual_seed(0)
+        for name in REGISTRY.names():
+            method = REGISTRY.create(name)
+            for _ in range(2):  # the second step runs with error feedback's residual
+                # large enough for every path: top-k's sampled threshold and its trimming
+                method.reduce([torch.randn(512, 512, generator=gen)], ["w"], LocalComm(2))
+    return time.perf_counter() - started

@@ -36,7 +36,10 @@ between steps, at the start of a forward pass: never inside a backward pass.
   than it could win is given up before anything else is spent. Then every rank joins a
   short network probe at one boundary (at most :data:`NETWORK_STEPS` DDP steps long); the
   worker (:mod:`autotune.online.worker`, at the lowest CPU priority,
-  so training keeps its GIL and cores) probes the codecs on the copied gradients,
+  so training keeps its GIL and cores; on a link-bound job a fork of rank 0, which has
+  everything loaded, and beside it a *stand-in* for plain DDP, a cast within the error
+  budget that halves the bytes on the link, kept if it measures faster than the DDP
+  start: :meth:`Controller._choose_stand_in`) probes the codecs on the copied gradients,
   builds a :class:`~autotune.probes.profile.Profile`, fits the cost model and runs the
   search; then the best candidates and the presets' equivalents are tried on live
   steps (:class:`~autotune.online.explore.Exploration`: A B A C ..., a few steps
