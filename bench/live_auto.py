@@ -83,6 +83,9 @@ def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -
         events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         result["auto_phases"] = {e["event"]: e["step"] for e in reversed(events)
                                  if e["event"] not in ("announce", "switch")}
+        # what a re-search after settling saw: the step and link ratios that moved
+        result["auto_drifts"] = [{k: v for k, v in e.items() if k != "trigger"}
+                                 for e in events if e["event"] == "drift"]
         log.unlink()
     return result
 
@@ -97,6 +100,7 @@ def row(r: dict[str, Any], ddp_median: float | None) -> dict[str, Any]:
                                    if ddp_median else None)}
     if "auto_phases" in r:
         out["auto_phases"] = r["auto_phases"]  # e.g. searched: the step the search replied
+        out["auto_drifts"] = r.get("auto_drifts", [])
     if r.get("auto"):
         a = r["auto"]
         out.update(auto_degraded=a.get("total_degraded_steps", a.get("degraded_steps")),

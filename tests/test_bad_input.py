@@ -451,3 +451,11 @@ def test_the_good_inputs_are_good(d: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["simulate", str(d / "profile.json"), "--policy", str(d / "policy.json")]) == 0
     assert main(["show", str(d / "policy.json")]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), "3", True])
+def test_patience_s_must_be_a_number_of_seconds(value: Any) -> None:
+    from autotune.online.config import OnlineConfig
+
+    with pytest.raises(AutotuneError, match="patience_s"):
+        OnlineConfig(patience_s=value)

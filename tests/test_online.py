@@ -210,6 +210,17 @@ def rank_compute_slowdown(profile: str, steps: int = 70) -> dict[str, Any]:
             "policy": ddp.policy.id}
 
 
+def rank_short_slowdown(profile: str, steps: int = 60) -> dict[str, Any]:
+    """Every step 10x slower for 2 s (10 steps: two checks' windows), then as before:
+    shorter than ``patience_s``, so not drift."""
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
+                        budget_s=2.0, trials=10)  # default detection knobs
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
+    _train(ddp, work, steps, opt, lambda step: time.sleep(0.2 if 20 <= step < 30 else 0.02))
+    return {"events": [e["event"] for e in ddp.controller.events], "policy": ddp.policy.id}
+
+
 def rank_never_inside_backward(profile: str, steps: int = 30) -> dict[str, Any]:
     work = resolve_workload("mlp")
     ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
@@ -292,6 +303,12 @@ def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(run_ranks, ml
     # slower compute hides more of plain DDP's communication: nothing better to switch to
     assert [e["event"] for e in r["events"]][1] == "keep", r["events"]
     assert r["policy"] == Policy.from_dict(NONE).id
+
+
+def test_a_slowdown_shorter_than_patience_s_is_not_drift(run_ranks, mlp_profile: str) -> None:
+    for r in run_ranks("test_online:rank_short_slowdown", profile=mlp_profile, timeout=240):
+        assert "drift" not in r["events"], r["events"]
+        assert r["policy"] == Policy.from_dict(NONE).id
 
 
 def test_revisions_never_happen_inside_a_backward_pass(run_ranks, mlp_profile: str) -> None:

@@ -61,11 +61,11 @@ def wrap(
             :mod:`autotune.online.controller`); needs ``profile``. Every rank must run
             the same number of forward passes (no ``join()`` with uneven inputs).
         profile: with ``online``: a :class:`~autotune.probes.profile.Profile` or path.
-        **kwargs: online knobs (``check_every``, ``threshold``, ``link_threshold``, ``patience``,
-            ``budget_s``, ``trials``, ``min_gain``, ``max_error``, ``pinned``,
-            ``lead_steps``, ``log``, and with ``"auto"`` ``explore_steps``,
-            ``trial_steps``, ``candidates``, ``profile_steps``, ``network_budget_s``,
-            ``save``: see :class:`~autotune.online.OnlineConfig`),
+        **kwargs: online knobs (``check_every``, ``threshold``, ``link_threshold``,
+            ``patience``, ``patience_s``, ``budget_s``, ``trials``, ``min_gain``,
+            ``max_error``, ``pinned``, ``lead_steps``, ``log``, and with ``"auto"``
+            ``explore_steps``, ``trial_steps``, ``candidates``, ``profile_steps``,
+            ``network_budget_s``, ``save``: see :class:`~autotune.online.OnlineConfig`),
             ``compress_from_step``, ``guard``, ``native`` (without ``online`` or
             ``"auto"``; default: whether the policy is plain averaging, which then runs as
             DDP's own allreduce with no hook, see :class:`~autotune.runtime.AutotuneDDP`),

@@ -32,6 +32,9 @@ class OnlineConfig:
             (1.0: the link got twice as fast or slow); collective times on a loaded
             host are noisier than step times, and a link change that matters is large.
         patience: consecutive drifting checks before revising (hysteresis).
+        patience_s: ... and seconds the drift must have lasted: with short steps a few
+            checks span a fraction of a second, which a CPU running 1.5x slower for
+            seconds at a time outlasts (auto runs of 14 ms steps re-searched on it).
         budget_s: wall seconds the background re-search may take.
         trials: Optuna trials of a re-search.
         min_gain: a new policy must be predicted this much faster to be switched to.
@@ -55,6 +58,7 @@ class OnlineConfig:
     threshold: float = 0.5
     link_threshold: float = 1.0
     patience: int = 2
+    patience_s: float = 3.0
     budget_s: float = 10.0
     trials: int = 60
     min_gain: float = 0.05
@@ -86,6 +90,10 @@ class OnlineConfig:
                 f"explore_steps must be an integer >= {block} (one block of the policy in "
                 f"force and one of a contender, trial_steps={self.trial_steps} timed steps "
                 f"plus a settling step each), got {self.explore_steps!r}")
+        if isinstance(self.patience_s, bool) or not isinstance(self.patience_s, (int, float)) or (
+                not 0 <= self.patience_s < math.inf):
+            raise AutotuneError(
+                f"patience_s must be a number of seconds >= 0, got {self.patience_s!r}")
         for name in ("budget_s", "network_budget_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (

@@ -12,7 +12,8 @@ between steps, at the start of a forward pass: never inside a backward pass.
 * **Drift**: at each check (every ``check_every`` steps) two ratios are compared with
   their values when the current policy started: measured / predicted step time, and the
   fitted link rate. A deviation above ``threshold`` for ``patience`` consecutive checks
-  is drift (hysteresis: noise does not flap the policy).
+  spanning at least ``patience_s`` seconds is drift (hysteresis: noise, and a CPU that
+  runs slower for a second or two, do not flap the policy).
 * **Revision**: rank 0 re-runs the search for the fitted link, warm-started from the
   current policy and the previous study's best, within ``budget_s``, on a background
   thread (training does not wait), and keeps the result only if it is predicted to beat
@@ -223,6 +224,7 @@ class Controller:
         # iterations (bucket rebuild, compression starting), or steps of the old policy
         self._settle = 2
         self._strikes = 0
+        self._drift_since = 0.0  # when the current run of drifting checks began
         self._scale = 1.0  # fitted link: measured / predicted collective time
         self._probe_next = False
         self._last_probe = (-math.inf, 0.0)  # rank 0: when the last probe ended, its seconds
@@ -491,7 +493,12 @@ class Controller:
         link_dev = abs(math.log(self._scale / ref_scale))
         drifting = step_dev > self.config.threshold or link_dev > math.log1p(self.config.link_threshold)
         self._strikes = self._strikes + 1 if drifting else 0
-        if self._strikes >= self.config.patience and (self._search is None or not self._search.is_alive()):
+        now = time.perf_counter()
+        if self._strikes == 1:
+            self._drift_since = now
+        lasted = self._strikes >= self.config.patience and (
+            now - self._drift_since >= self.config.patience_s)
+        if lasted and (self._search is None or not self._search.is_alive()):
             self._strikes = 0
             reason = {"event": "drift", "step": self.step, "measured_step_s": measured,
                       "predicted_step_s": predicted, "step_ratio_change": ratio / ref_ratio,
@@ -743,7 +750,8 @@ class Controller:
         if self._stand_in_from is None or self._start_policy is None:
             return None
         first = self.step - len(step_s)  # the step whose time is step_s[0]
-        self._stand_in_steps += [t for i, t in enumerate(step_s) if first + i >= self._stand_in_from]
+        self._stand_in_steps += [t for i, t in enumerate(step_s)
+                                 if first + i >= self._stand_in_from]
         if len(self._stand_in_steps) < STAND_IN_STEPS:
             return None
         self._stand_in_from = None
