@@ -201,6 +201,9 @@ class ForkedSearch(_Search):
         """Fork; the child answers ``request`` on ``grads`` (raises OSError: no fork)."""
         read, write = os.pipe()
         parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # else the child could write them again
+            if stream is not None:
+                stream.flush()
         pid = os.fork()
         if pid == 0:  # the child: never returns into training
             status = 1
