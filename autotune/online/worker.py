@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -204,7 +205,13 @@ class ForkedSearch(_Search):
         for stream in (sys.stdout, sys.stderr):  # else the child could write them again
             if stream is not None:
                 stream.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns that forking a threaded process may deadlock the child:
+            # it may if the child needs a lock another thread held; at a step boundary
+            # none of training's threads holds one the search takes (see the module
+            # docstring), and a child that hangs anyway ends as a late reply
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:  # the child: never returns into training
             status = 1
             try:
