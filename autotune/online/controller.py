@@ -147,6 +147,7 @@ class _Window:
     step_s: list[float] = field(default_factory=list)
     records: list[BucketRecord] = field(default_factory=list)
     probes: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
+    started: float = field(default_factory=time.perf_counter)
 
 
 @contextlib.contextmanager
@@ -224,7 +225,7 @@ class Controller:
         # iterations (bucket rebuild, compression starting), or steps of the old policy
         self._settle = 2
         self._strikes = 0
-        self._drift_since = 0.0  # when the current run of drifting checks began
+        self._drift_since = 0.0  # when the first window of the current drift began
         self._scale = 1.0  # fitted link: measured / predicted collective time
         self._probe_next = False
         self._last_probe = (-math.inf, 0.0)  # rank 0: when the last probe ended, its seconds
@@ -494,8 +495,8 @@ class Controller:
         drifting = step_dev > self.config.threshold or link_dev > math.log1p(self.config.link_threshold)
         self._strikes = self._strikes + 1 if drifting else 0
         now = time.perf_counter()
-        if self._strikes == 1:
-            self._drift_since = now
+        if self._strikes == 1:  # the drift began with this window's steps
+            self._drift_since = window.started
         lasted = self._strikes >= self.config.patience and (
             now - self._drift_since >= self.config.patience_s)
         if lasted and (self._search is None or not self._search.is_alive()):
