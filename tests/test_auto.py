@@ -180,6 +180,35 @@ def rank_stand_in(log: str, keep: bool) -> dict[str, Any]:
             "summary": ddp.controller.summary, "digest": _digest(work.model)}
 
 
+def rank_retrial(log: str) -> dict[str, Any]:
+    """After auto settled, a drift's re-search (started here as a drift would start it)
+    runs on a fork of rank 0 and hands its contenders to new live trials; every rank
+    follows them and settles again."""
+    _force_winner("ddp")
+    work = resolve_workload("mlp")
+    ddp = autotune.wrap(work.model, "auto", log=log, **FAST)
+    opt = torch.optim.Adam(work.model.parameters(), lr=1e-3)
+    _train_until_settled(ddp, work, opt)
+    if dist.get_rank() == 0:
+        ddp.controller._start_search(None, {"event": "drift", "forced": True})
+    rank = dist.get_rank()
+    for step in range(3000):
+        x, y = work.make_batch(step * 2 + rank)
+        opt.zero_grad()
+        work.loss_fn(ddp(x), y).backward()
+        opt.step()
+        summary = ddp.controller.summary or {}
+        done = torch.tensor([float(summary.get("total_explorations", 0) >= 2)])
+        dist.broadcast(done, src=0)
+        if done.item():
+            break
+    else:
+        raise AssertionError("the re-trials did not settle within 3000 steps")
+    return {"events": [e["event"] for e in ddp.controller.events],
+            "forked": ddp.controller._search is None, "digest": _digest(work.model),
+            "phase": ddp.controller.phase}
+
+
 def rank_rebucket(steps: int = 12) -> dict[str, Any]:
     """AutotuneDDP.set_bucket_cap between steps: the same training as plain DDP."""
     work = resolve_workload("cnn")
@@ -314,6 +343,15 @@ def test_a_link_bound_job_runs_a_stand_in_beside_its_search(run_ranks, tmp_path:
     else:  # back to plain DDP before the reply: the trials start from plain DDP
         assert a["switches"][1][1] != stand_in_id
         assert searched["current"] == "ddp"
+
+
+def test_a_drift_re_search_forks_and_runs_the_trials_again(run_ranks, tmp_path: Path) -> None:
+    a, b = run_ranks("test_auto:rank_retrial", log=str(tmp_path / "a.jsonl"), timeout=400)
+    assert a["forked"] and a["digest"] == b["digest"]
+    kinds = a["events"]
+    assert kinds.count("settled") == 2 and "retrial" in kinds
+    assert kinds.index("retrial") > kinds.index("settled")
+    assert a["phase"] == "settled"
 
 
 def test_the_search_is_abandoned_only_when_it_slows_steps_more_than_ddp_exposes() -> None:

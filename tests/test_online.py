@@ -195,19 +195,27 @@ def rank_noise_no_revision(profile: str, steps: int = 80) -> dict[str, Any]:
             "detail": [e for e in ddp.controller.events if e["event"] == "drift"]}
 
 
-def rank_compute_slowdown(profile: str, steps: int = 70) -> dict[str, Any]:
-    """The link holds and every step gets much slower (another job took the CPU)."""
+def rank_compute_slowdown(profile: str, fork: bool = True, steps: int = 70) -> dict[str, Any]:
+    """The link holds and every step gets much slower (another job took the CPU). The
+    re-search runs on a fork of rank 0, or (``fork`` False) on a thread."""
+    if not fork:
+        from autotune.online import controller
+
+        controller.fork_safe = lambda: False  # type: ignore[assignment]
     work = resolve_workload("mlp")
     ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
                         budget_s=2.0, trials=10)
     opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
     _train(ddp, work, steps, opt, lambda step: time.sleep(0.01 if step < 30 else 0.2))
-    deadline = time.monotonic() + 30  # let a re-search still running report
-    while ddp.controller._search is not None and ddp.controller._search.is_alive():
+    deadline = time.monotonic() + 30  # let a re-search still running report (rank 0 takes
+    while ddp.controller._researching():  # its reply at a check; training has ended)
         assert time.monotonic() < deadline
         time.sleep(0.1)
+        ddp.controller._take_research()
+    forked = any(e["event"] == "drift" for e in ddp.controller.events) and (
+        ddp.controller._search is None)  # the re-search ran on a fork, not a thread
     return {"events": [e for e in ddp.controller.events if e["event"] in ("drift", "keep", "announce")],
-            "policy": ddp.policy.id}
+            "policy": ddp.policy.id, "forked": forked}
 
 
 def rank_short_slowdown(profile: str, steps: int = 60) -> dict[str, Any]:
@@ -292,8 +300,11 @@ def test_timing_noise_without_a_link_change_causes_no_revision(run_ranks, mlp_pr
             assert abs(change - 1) > OnlineConfig().threshold, drift
 
 
-def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(run_ranks, mlp_profile: str) -> None:
-    r = run_ranks("test_online:rank_compute_slowdown", profile=mlp_profile, timeout=240)[0]
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(
+        run_ranks, mlp_profile: str, fork: bool) -> None:
+    r = run_ranks("test_online:rank_compute_slowdown", profile=mlp_profile, fork=fork,
+                  timeout=240)[0]
     drifts = [e for e in r["events"] if e["event"] == "drift"]
     assert drifts, r["events"]
     # slower by more than drift's threshold (by how much depends on the host's load: a
@@ -302,6 +313,7 @@ def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(run_ranks, ml
     assert drifts[0]["link_scale"] == drifts[0]["ref_link_scale"]
     # slower compute hides more of plain DDP's communication: nothing better to switch to
     assert [e["event"] for e in r["events"]][1] == "keep", r["events"]
+    assert r["forked"] == fork  # on a fork of rank 0 (training keeps the GIL), or a thread
     assert r["policy"] == Policy.from_dict(NONE).id
 
 

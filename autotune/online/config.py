@@ -32,11 +32,11 @@ class OnlineConfig:
             (1.0: the link got twice as fast or slow); collective times on a loaded
             host are noisier than step times, and a link change that matters is large.
         patience: consecutive drifting checks before revising (hysteresis).
-        patience_s: ... and seconds the drift must have lasted (from the start of its
-            first window): with short steps a few checks span a fraction of a second,
-            which a CPU running 1.5x slower for seconds at a time outlasts (auto runs of
-            14 ms steps re-searched on it); with steps of 0.4 s or more, ``patience``
-            checks already span it.
+        patience_s: ... and, when the step moved but the link held (compute drift),
+            seconds it must have lasted (from the start of its first window): with
+            short steps a few checks span a fraction of a second, which a CPU running
+            1.5x slower for seconds at a time outlasts (auto runs of 14 ms steps
+            re-searched on it). A moved link is acted on after ``patience`` checks.
         budget_s: wall seconds the background re-search may take.
         trials: Optuna trials of a re-search.
         min_gain: a new policy must be predicted this much faster to be switched to.

@@ -12,8 +12,9 @@ between steps, at the start of a forward pass: never inside a backward pass.
 * **Drift**: at each check (every ``check_every`` steps) two ratios are compared with
   their values when the current policy started: measured / predicted step time, and the
   fitted link rate. A deviation above ``threshold`` for ``patience`` consecutive checks
-  spanning at least ``patience_s`` seconds is drift (hysteresis: noise, and a CPU that
-  runs slower for a second or two, do not flap the policy).
+  is drift (hysteresis: noise does not flap the policy); a step that moved while the
+  link held must also have moved for ``patience_s`` seconds (a CPU that runs slower for
+  a second or two is not a change to re-tune for).
 * **Revision**: rank 0 re-runs the search for the fitted link, warm-started from the
   current policy and the previous study's best, within ``budget_s``, on a background
   thread (training does not wait), and keeps the result only if it is predicted to beat
@@ -75,7 +76,12 @@ from autotune.models.simulator import WhatIf
 from autotune.online.config import OnlineConfig
 from autotune.online.explore import Contender, Exploration
 from autotune.online.live import LiveProfiler, live_environment
-from autotune.online.search import contender_from_dict, stand_in, trial_contenders
+from autotune.online.search import (
+    contender_from_dict,
+    contender_to_dict,
+    stand_in,
+    trial_contenders,
+)
 from autotune.online.worker import ForkedSearch, SearchWorker, fork_safe
 from autotune.policies import Policy
 from autotune.probes.network import probe_network
@@ -230,6 +236,9 @@ class Controller:
         self._probe_next = False
         self._last_probe = (-math.inf, 0.0)  # rank 0: when the last probe ended, its seconds
         self._search: threading.Thread | None = None
+        # a drift's re-search: its fork, or the reply of its thread (see _start_search)
+        self._research_child: ForkedSearch | None = None
+        self._research_reply: dict[str, Any] | None = None
         self._proposal: tuple[Policy, dict[str, Any]] | None = None
         self._top: list[Policy] = []
         # auto, rank 0 ------------------------------------------------------------
@@ -455,6 +464,7 @@ class Controller:
 
     def _watch(self) -> tuple[bytes, int]:
         """Drift detection (rank 0): a policy to announce, if any."""
+        self._take_research()
         if self.profile is None:  # auto whose search failed: nothing to predict with
             with self._lock:
                 self._window = _Window()
@@ -492,20 +502,23 @@ class Controller:
         ref_ratio, ref_scale = self._ref
         step_dev = abs(ratio / ref_ratio - 1)
         link_dev = abs(math.log(self._scale / ref_scale))
-        drifting = step_dev > self.config.threshold or link_dev > math.log1p(self.config.link_threshold)
+        link_moved = link_dev > math.log1p(self.config.link_threshold)
+        drifting = step_dev > self.config.threshold or link_moved
         self._strikes = self._strikes + 1 if drifting else 0
         now = time.perf_counter()
         if self._strikes == 1:  # the drift began with this window's steps
             self._drift_since = window.started
+        # the link's own signal is evidence enough after `patience` checks; a step that
+        # moved with the link held (compute) must also have lasted patience_s
         lasted = self._strikes >= self.config.patience and (
-            now - self._drift_since >= self.config.patience_s)
-        if lasted and (self._search is None or not self._search.is_alive()):
+            link_moved or now - self._drift_since >= self.config.patience_s)
+        if lasted and not self._researching():
             self._strikes = 0
             reason = {"event": "drift", "step": self.step, "measured_step_s": measured,
                       "predicted_step_s": predicted, "step_ratio_change": ratio / ref_ratio,
                       "link_scale": self._scale, "ref_link_scale": ref_scale,
                       "link_bps_estimate": link, "policy": self.state.policy.id}
-            if link_dev <= math.log1p(self.config.link_threshold):
+            if not link_moved:
                 # the link held and the step moved: compute got slower or faster (another
                 # job on the host, a clock change), which moves how much communication
                 # hides behind it; the re-search asks the model about that
@@ -515,20 +528,89 @@ class Controller:
         return b"", 0
 
     def _start_search(self, link_bps: float | None, reason: dict[str, Any]) -> None:
+        """The re-search after a drift, in the background: a fork of rank 0 where
+        :func:`~autotune.online.worker.fork_safe` (a thread there stalled a 0.55 s step
+        for 1.9 s at the switch back to 5 Gbit in bench/online.py: the search's Python
+        holds the GIL), else a thread. Its reply is taken at a check
+        (:meth:`_take_research`)."""
         current = self.state.policy
 
-        def run() -> None:
+        def answer() -> dict[str, Any]:
             try:
-                with _short_gil_slices():
-                    self._research(current, link_bps, reason)
+                return self._research(current, link_bps, reason)
             except Exception as exc:  # noqa: BLE001 - a failed search keeps the policy
-                logger.warning("online re-search failed, keeping the policy: %s", exc)
-                self._log({"event": "search_failed", "step": self.step, "error": str(exc)})
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
+        if fork_safe():
+            child = ForkedSearch()
+            try:
+                child.start(answer, timeout_s=SEARCH_TIMEOUT_S + 10 * self.config.budget_s)
+            except OSError as exc:
+                logger.warning("online re-search: no fork (%s); searching on a thread", exc)
+            else:
+                self._research_child = child
+                return
+
+        def run() -> None:
+            with _short_gil_slices():
+                reply = answer()
+            with self._lock:
+                self._research_reply = reply
 
         self._search = threading.Thread(target=run, name="autotune-research", daemon=True)
         self._search.start()
 
-    def _research(self, current: Policy, link_bps: float | None, reason: dict[str, Any]) -> None:
+    def _researching(self) -> bool:
+        """Whether a re-search runs (its reply not yet taken)."""
+        if self._research_child is not None or self._research_reply is not None:
+            return True
+        return self._search is not None and self._search.is_alive()
+
+    def _take_research(self) -> None:
+        """Rank 0, at a check: act on the re-search's reply if it came (a proposal for
+        the next check, the trials of the auto mode, or keeping the policy)."""
+        reply = None
+        if self._research_child is not None:
+            reply = self._research_child.poll()
+            if reply is not None:
+                self._research_child.close(wait=False)
+                self._research_child = None
+        with self._lock:
+            if reply is None:
+                reply, self._research_reply = self._research_reply, None
+        if reply is None:
+            return
+        if "error" in reply:
+            logger.warning("online re-search failed, keeping the policy: %s", reply["error"])
+            self._log({"event": "search_failed", "step": self.step, "error": reply["error"]})
+            return
+        self._top = [Policy.from_dict(p, source="searched policy") for p in reply["top"]]
+        if "contenders" in reply:  # auto: a prediction prunes, a measurement decides
+            contenders = [contender_from_dict(c) for c in reply["contenders"]]
+            exploration = self._trials(contenders, reply["current"])
+            self._log({"event": "retrial", "step": self.step, "search_s": reply["search_s"],
+                       "contenders": list(exploration.order), "trigger": reply["trigger"]})
+            with self._lock:
+                self._exploration = exploration
+            return
+        info = reply["info"]
+        if reply["policy"] is not None:
+            new = Policy.from_dict(reply["policy"], source="searched policy")
+            self.propose(new.with_meta(online_revision=self.revision + 1), reason="drift")
+            with self._lock:
+                if self._proposal is not None:
+                    self._proposal = (self._proposal[0], info)
+        else:
+            self._log({"event": "keep", "step": self.step, "policy": reply["current"], **info})
+            with self._lock:
+                self._ref = None  # the change is understood: re-baseline on it
+                self._settle = 0
+
+    def _research(self, current: Policy, link_bps: float | None,
+                  reason: dict[str, Any]) -> dict[str, Any]:
+        """The re-search itself, on the fork or the thread: its reply as JSON-able data
+        (``top``; auto: the trials' ``contenders`` and ``current``; else the ``policy``
+        to propose, or None to keep ``current``, and ``info``)."""
         assert self.profile is not None  # drift is watched only with a profile
         model = self.model()
         what_if = WhatIf(bandwidth_bps=link_bps, compute_speed=reason.get("compute_speed", 1.0))
@@ -542,33 +624,24 @@ class Controller:
                       caps=caps, seeds=[current, *self._top],
                       timeout=self.config.budget_s, study_name=f"online-{self.revision + 1}",
                       top_k=self.config.candidates + 2)
-        self._top = [c.policy for c in result.top]
+        reply: dict[str, Any] = {"top": [c.policy.to_dict() for c in result.top],
+                                 "current": current.id}
         if self.auto:  # a prediction prunes, a measurement decides: live trials again
-            exploration = self._trials(*trial_contenders(
+            contenders, name = trial_contenders(
                 self.profile, model, result, current, pinned=self.config.pinned,
                 max_error=self._max_error(), rebucket=self.rebucket is not None,
-                candidates=self.config.candidates, what_if=what_if))
-            self._log({"event": "retrial", "step": self.step, "search_s": time.perf_counter() - started,
-                       "contenders": list(exploration.order), "trigger": reason})
-            with self._lock:
-                self._exploration = exploration
-            return
+                candidates=self.config.candidates, what_if=what_if)
+            return {**reply, "contenders": [contender_to_dict(c) for c in contenders],
+                    "current": name, "search_s": time.perf_counter() - started,
+                    "trigger": reason}
         now = model.predict(current, what_if).step_s
         new = result.policy
         gain = 1 - result.policy.meta["predicted_step_s"] / now
         info = {"reason": "drift", "search_s": time.perf_counter() - started,
                 "predicted_current_s": now, "predicted_new_s": new.meta["predicted_step_s"],
                 "link_bps_estimate": link_bps, "trigger": reason}
-        if new.id != current.id and gain >= self.config.min_gain:
-            self.propose(new.with_meta(online_revision=self.revision + 1), reason="drift")
-            with self._lock:
-                if self._proposal is not None:
-                    self._proposal = (self._proposal[0], info)
-        else:
-            self._log({"event": "keep", "step": self.step, "policy": current.id, **info})
-            with self._lock:
-                self._ref = None  # the change is understood: re-baseline on it
-                self._settle = 0
+        better = new.id != current.id and gain >= self.config.min_gain
+        return {**reply, "policy": new.to_dict() if better else None, "info": info}
 
     # -------------------------------------------------------------------- auto
     def _explore(self) -> tuple[bytes, int, int, int]:

@@ -200,6 +200,11 @@ class ForkedSearch(_Search):
     def submit(self, request: Mapping[str, Any], grads: Mapping[str, Sequence[Any]],
                timeout_s: float) -> None:
         """Fork; the child answers ``request`` on ``grads`` (raises OSError: no fork)."""
+        self.start(lambda: _answer(dict(request), grads, time.perf_counter()), timeout_s)
+
+    def start(self, answer: Callable[[], dict[str, Any]], timeout_s: float) -> None:
+        """Fork; the child's reply is what ``answer()`` returns there (JSON-able; it
+        runs on this process's memory as of the fork). Raises OSError: no fork."""
         read, write = os.pipe()
         parent = os.getpid()
         for stream in (sys.stdout, sys.stderr):  # else the child could write them again
@@ -218,8 +223,7 @@ class ForkedSearch(_Search):
                 os.close(read)
                 _child_setup(parent, keep=write)
                 with os.fdopen(write, "wb") as out:
-                    out.write((json.dumps(_answer(dict(request), grads, time.perf_counter()))
-                               + "\n").encode())
+                    out.write((json.dumps(answer(), default=str) + "\n").encode())
                 status = 0
             finally:
                 os._exit(status)
