@@ -69,12 +69,16 @@ def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -
         started = time.perf_counter()
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash leaves its stacks
         log.unlink(missing_ok=True)
+        out.unlink(missing_ok=True)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode == 0:
             break
         failures.append({"status": proc.returncode, "stderr": proc.stderr[-6000:]})
         print(f"{model} {mode} {link} failed ({proc.returncode}):\n{proc.stderr[-3000:]}",
               file=sys.stderr, flush=True)
+        if _complete(out, steps):  # it crashed in teardown, after every rank's last step
+            failures[-1]["results_kept"] = "rank 0 had written every step's results"
+            break
     else:
         raise SystemExit(f"{model} {mode} {link} failed 3 times")
     result = json.loads(out.read_text())
@@ -88,6 +92,15 @@ def run(model: str, mode: str, link: str, steps: int, policy: Path, out: Path) -
                                  for e in events if e["event"] == "drift"]
         log.unlink()
     return result
+
+
+def _complete(out: Path, steps: int) -> bool:
+    """Whether a run's results file holds all its steps (the script writes it after its
+    last collective and a barrier, so a rank that aborts at exit cannot cut it short)."""
+    try:
+        return len(json.loads(out.read_text())["step_s"]) == steps
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def row(r: dict[str, Any], ddp_median: float | None) -> dict[str, Any]:

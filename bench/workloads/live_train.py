@@ -139,6 +139,7 @@ def main() -> None:
                        "params_equal": all(torch.equal(every[0], d) for d in every),
                        "auto": summary,
                        "policy": getattr(getattr(model, "policy", None), "id", None)}, fh)
+    dist.barrier()  # the results are written before any rank tears down
     dist.destroy_process_group()
 
 
