@@ -36,6 +36,7 @@ keeps plain DDP or searches on a thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -239,10 +240,14 @@ class ForkedSearch(_Search):
         """Reader thread: wait for the child to exit, then reap it; until it is reaped
         its pid stays its own, so :meth:`close` can never signal another process."""
         assert self.pid is not None
-        os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
-        with self._lock:
-            _, status = os.waitpid(self.pid, 0)
-            self._exit = os.waitstatus_to_exitcode(status)
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            with self._lock:
+                _, status = os.waitpid(self.pid, 0)
+                self._exit = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:  # reaped elsewhere (the script ignores SIGCHLD)
+            with self._lock:
+                self._exit = -1
         return self._exit
 
     def close(self, wait: bool = True) -> None:
@@ -250,7 +255,8 @@ class ForkedSearch(_Search):
         it is reaped."""
         with self._lock:
             if self.pid is not None and self._exit is None:
-                os.kill(self.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
         if wait and self._reader is not None:
             self._reader.join()
 
