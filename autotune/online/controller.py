@@ -16,9 +16,10 @@ between steps, at the start of a forward pass: never inside a backward pass.
   link held must also have moved for ``patience_s`` seconds (a CPU that runs slower for
   a second or two is not a change to re-tune for).
 * **Revision**: rank 0 re-runs the search for the fitted link, warm-started from the
-  current policy and the previous study's best, within ``budget_s``, on a background
-  thread (training does not wait), and keeps the result only if it is predicted to beat
-  the current policy by ``min_gain``.
+  current policy and the previous study's best, within ``budget_s``, in the background
+  (a fork of rank 0 where that is safe, else a thread; training does not wait, and the
+  reply is taken at a check), and keeps the result only if it is predicted to beat the
+  current policy by ``min_gain``.
 * **Switch**: at a check step, every rank joins a broadcast from rank 0 of a small
   header tensor and, when there is news, the new policy as JSON bytes in a uint8 tensor
   (no pickle). Every rank applies it at the announced step, between steps; error
