@@ -55,7 +55,7 @@ from autotune.policies import Policy
 
 __all__ = ["ForkedSearch", "SearchWorker", "fork_safe"]
 
-BOOSTED_NICE = 10  # the worker's niceness once boosted (SearchWorker.boost)
+BOOSTED_NICE = 10  # the worker's niceness once boosted (_Search.boost, both kinds)
 
 
 class _Search:
