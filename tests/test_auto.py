@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 import torch
@@ -354,18 +354,35 @@ def test_a_drift_re_search_forks_and_runs_the_trials_again(run_ranks, tmp_path: 
     assert a["phase"] == "settled"
 
 
-def test_the_search_is_abandoned_only_when_it_slows_steps_more_than_ddp_exposes() -> None:
-    def costs(search_ms: list[float]) -> str | None:
-        state = SimpleNamespace(_search_steps=[t / 1e3 for t in search_ms],
-                                _ddp_steps=[0.020, 0.021, 0.019],  # DDP start: 20 ms
-                                _compute={"step_s": [0.016, 0.016]})  # floor 16: 4 exposed
-        return controller.Controller._search_costs_more(state)  # type: ignore[arg-type]
+def _search_costs(search_ms: list[float], explore_ms: Sequence[float] = (),
+                  link_bound: bool = False) -> str | None:
+    state = SimpleNamespace(_search_steps=[t / 1e3 for t in search_ms],
+                            _ddp_steps=[0.020, 0.021, 0.019],  # DDP start: 20 ms
+                            _compute={"step_s": [0.016, 0.016]},  # floor 16: 4 exposed
+                            _explore_times=[t / 1e3 for t in explore_ms],
+                            _link_bound=lambda: link_bound)
+    return controller.Controller._search_costs_more(state)  # type: ignore[arg-type]
 
+
+def test_the_search_is_abandoned_only_when_it_slows_steps_more_than_ddp_exposes() -> None:
     n = controller.SEARCH_COST_STEPS
-    assert costs([30.0] * (n - 1)) is None  # too few steps to judge
-    assert costs([23.9] * n) is None  # 3.9 ms slower < 4 ms exposed
-    why = costs([24.5] * n)
+    assert _search_costs([30.0] * (n - 1)) is None  # too few steps to judge
+    assert _search_costs([23.9] * n) is None  # 3.9 ms slower < 4 ms exposed
+    why = _search_costs([24.5] * n)
     assert why is not None and "4.5 ms" in why and "4.0 ms" in why and "plain DDP stays" in why
+
+
+def test_a_cpu_bound_search_that_does_not_reply_is_abandoned_within_the_degraded_budget() -> None:
+    # each step 23 ms: cheaper than the 4 ms exposed, but over DDP's 20 ms by more than
+    # DEGRADED_MARGIN, so each is a degraded step; the search may not pass the budget
+    budget, poll = controller.DEGRADED_BUDGET, controller.SEARCH_POLL_STEPS
+    room = budget - poll - 1  # at a check: a network step and a poll later, at the budget
+    steps = [23.0] * controller.SEARCH_COST_STEPS
+    assert _search_costs(steps, [23.0] * room + [20.0] * 50) is None
+    why = _search_costs(steps, [23.0] * (room + 1))
+    assert why is not None and f"{room + 1} steps" in why and "has not replied" in why
+    # a link-bound job's search is never given up for it: it may win half of each step
+    assert _search_costs(steps, [23.0] * 100, link_bound=True) is None
 
 
 def test_set_bucket_cap_rebuilds_buckets_and_keeps_training_exact(run_ranks) -> None:

@@ -130,6 +130,11 @@ SEARCH_COST_STEPS = 4
 # job whose exposed communication is under LINK_BOUND of its step
 WEIGH_STEPS = 4
 LINK_BOUND = 0.5
+# a CPU-bound job's search that has not replied is given up before its exploration's
+# degraded steps could pass this (counted as the summary counts them, checked every
+# poll): at idle priority on busy cores a search can take longer than a short job, and
+# each step it slows costs the job while the most it could win per step is small
+DEGRADED_BUDGET = 10
 # a link-bound job's stand-in during the search is weighed on this many timed steps and
 # kept when their median is at most STAND_IN_KEEP times the DDP start's
 STAND_IN_STEPS = 4
@@ -359,8 +364,13 @@ class Controller:
     def _network_budget_s(self) -> float:
         """Rank 0: the network probe's budget, ``network_budget_s`` but at most about
         :data:`NETWORK_STEPS` steps of the DDP start (on a fast link with short steps a
-        one-second probe costs more than what it could find)."""
-        return min(self.config.network_budget_s, NETWORK_STEPS * statistics.median(self._ddp_steps))
+        one-second probe costs more than what it could find); on a CPU-bound job at most
+        :data:`NETWORK_STEPS` times its exposed communication, the most a policy could
+        win per step (a probe of 20 steps of 14 ms took 0.4 s of a 2.5 s job)."""
+        reference = statistics.median(self._ddp_steps)
+        if self._compute is not None and not self._link_bound():
+            reference -= statistics.median(self._compute["step_s"])
+        return min(self.config.network_budget_s, NETWORK_STEPS * reference)
 
     def _probe_network(self, budget_s: float) -> None:
         """Every rank, at one boundary: auto's network probe (collectives the hook
@@ -788,17 +798,30 @@ class Controller:
         step more than any policy it could find would win back per step. A search at the
         lowest CPU priority is meant to use only what training leaves idle, but on a
         CPU-bound job (a fast link) there is nothing idle, and on some machines (virtual
-        CPUs) even an idle-class process slows the training processes beside it."""
+        CPUs) even an idle-class process slows the training processes beside it.
+        A search on a CPU-bound job that costs less than that per step but goes on
+        without replying is given up too, before the exploration's degraded steps could
+        pass :data:`DEGRADED_BUDGET`: a link-bound job's search is not (its possible gain
+        is at least half of every step)."""
         if len(self._search_steps) < SEARCH_COST_STEPS or self._compute is None:
             return None
         reference = statistics.median(self._ddp_steps)
         floor = statistics.median(self._compute["step_s"])
         slower = statistics.median(self._search_steps) - reference
-        if slower <= reference - floor:
-            return None
-        return (f"the search slowed the steps by {slower * 1e3:.1f} ms, more than plain DDP "
-                f"leaves to win ({(reference - floor) * 1e3:.1f} ms of its "
-                f"{reference * 1e3:.1f} ms step are exposed communication): plain DDP stays")
+        if slower > reference - floor:
+            return (f"the search slowed the steps by {slower * 1e3:.1f} ms, more than plain "
+                    f"DDP leaves to win ({(reference - floor) * 1e3:.1f} ms of its "
+                    f"{reference * 1e3:.1f} ms step are exposed communication): plain DDP "
+                    f"stays")
+        degraded = sum(t > reference * (1 + DEGRADED_MARGIN) for t in self._explore_times)
+        # at a check, the next one comes a poll later (and a network probe's step first,
+        # once weighed): each step up to it may be degraded, and still within the budget
+        if degraded >= DEGRADED_BUDGET - SEARCH_POLL_STEPS and not self._link_bound():
+            return (f"the search has not replied after {len(self._search_steps)} steps beside "
+                    f"it, and {degraded} steps of the exploration were slower than plain "
+                    f"DDP's ({reference * 1e3:.1f} ms) by over {DEGRADED_MARGIN:.0%}: on a "
+                    f"CPU-bound job it would cost more than it could win; plain DDP stays")
+        return None
 
     def _choose_stand_in(self) -> tuple[str, Policy] | None:
         """Rank 0, as a link-bound job's search starts: what runs instead of plain DDP
