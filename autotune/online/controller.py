@@ -364,13 +364,8 @@ class Controller:
     def _network_budget_s(self) -> float:
         """Rank 0: the network probe's budget, ``network_budget_s`` but at most about
         :data:`NETWORK_STEPS` steps of the DDP start (on a fast link with short steps a
-        one-second probe costs more than what it could find); on a CPU-bound job at most
-        :data:`NETWORK_STEPS` times its exposed communication, the most a policy could
-        win per step (a probe of 20 steps of 14 ms took 0.4 s of a 2.5 s job)."""
-        reference = statistics.median(self._ddp_steps)
-        if self._compute is not None and not self._link_bound():
-            reference -= statistics.median(self._compute["step_s"])
-        return min(self.config.network_budget_s, NETWORK_STEPS * reference)
+        one-second probe costs more than what it could find)."""
+        return min(self.config.network_budget_s, NETWORK_STEPS * statistics.median(self._ddp_steps))
 
     def _probe_network(self, budget_s: float) -> None:
         """Every rank, at one boundary: auto's network probe (collectives the hook
