@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autotune
 from autotune.errors import AutotuneError
 from autotune.online import controller, explore
-from autotune.policies import load_policy
+from autotune.policies import Policy, load_policy
 from autotune.workloads import resolve_workload
 
 pytestmark = pytest.mark.multirank  # every test here starts ranks
@@ -119,11 +119,13 @@ def rank_exact(save: str) -> dict[str, Any]:
     plain = DistributedDataParallel(reference)
     opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    _train_until_settled(ddp, work, opt, others=[(plain, ref_opt)])
+    # settled on a plain policy: it runs natively from a check after its switch
+    _train_until_settled(ddp, work, opt, others=[(plain, ref_opt)], after=12)
     caps = sorted({e["bucket_cap_mb"] for e in ddp.controller.events if e["event"] == "switch"})
     diff = max(float((a - b).abs().max()) for a, b in zip(work.model.parameters(), reference.parameters()))
     return {"diff": diff, "caps": caps, "digest": _digest(work.model),
-            "compressors": sorted({s.name for s in ddp.policy.compressors()})}
+            "compressors": sorted({s.name for s in ddp.policy.compressors()}),
+            "native": ddp.comm_state.native}
 
 
 def rank_hidden(save: str) -> dict[str, Any]:
@@ -135,7 +137,7 @@ def rank_hidden(save: str) -> dict[str, Any]:
     _train_until_settled(ddp, work, opt)
     return {"events": [e["event"] for e in ddp.controller.events],
             "summary": ddp.controller.summary, "policy_id": ddp.policy.id,
-            "worker_gone": ddp.controller._worker is None}
+            "worker_gone": ddp.controller._worker is None, "native": ddp.comm_state.native}
 
 
 def rank_abandon(save: str, log: str, link_bound: bool) -> dict[str, Any]:
@@ -230,6 +232,42 @@ def rank_rebucket(steps: int = 12) -> dict[str, Any]:
     return {"diff": diff, "buckets": buckets}
 
 
+def rank_native(steps: int = 15) -> dict[str, Any]:
+    """AutotuneDDP.set_native between steps, with a cap change while native: the same
+    training as plain DDP, one step counted per step either way; a compressing policy
+    cannot run natively."""
+    work = resolve_workload("cnn")
+    reference = copy.deepcopy(work.model)
+    ddp = autotune.wrap(work.model, None, native=False)
+    plain = DistributedDataParallel(reference)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (work.model, reference)]
+    counted, native, records = [], [], []
+    for step in range(steps):
+        if step in (3, 9, 12):
+            ddp.set_native(step != 9)
+        if step == 6:
+            ddp.set_bucket_cap(0.05)  # rebuilt natively at another cap
+        x, y = work.make_batch(step * 2 + dist.get_rank())
+        for model, o in zip((ddp, plain), opts):
+            o.zero_grad()
+            work.loss_fn(model(x), y).backward()
+            o.step()
+        counted.append(ddp.comm_state.step)
+        native.append(ddp.comm_state.native)
+        records.append(ddp.comm_state.bytes_by_compressor["none"])
+    diff = max(float((a - b).abs().max()) for a, b in zip(work.model.parameters(), reference.parameters()))
+    ddp.set_native(False)
+    ddp.comm_state.set_policy(Policy.from_dict({"version": 1, "default": {"compressor": "fp16"}},
+                                               source="test"))
+    try:
+        ddp.set_native(True)
+        refused = ""
+    except AutotuneError as exc:
+        refused = str(exc)
+    return {"diff": diff, "counted": counted, "native": native, "records": records,
+            "refused": refused}
+
+
 def rank_bad_options(tmp: str) -> dict[str, str]:
     work = resolve_workload("mlp")
     cases: dict[str, dict[str, Any]] = {
@@ -285,6 +323,7 @@ def test_auto_explores_and_switches_every_rank_at_the_same_step(run_ranks, tmp_p
 def test_bucket_changes_under_auto_train_exactly_as_plain_ddp(run_ranks, tmp_path: Path) -> None:
     a, b = run_ranks("test_auto:rank_exact", save=str(tmp_path / "p.json"), timeout=400)
     assert a["compressors"] == ["none"]
+    assert a["native"] and b["native"]  # settled on plain averaging: DDP's own allreduce
     assert 1.0 in a["caps"] and len(a["caps"]) >= 2  # buckets rebuilt at least twice
     assert a["digest"] == b["digest"]
     assert a["diff"] <= 1e-6 and b["diff"] <= 1e-6  # DDP's result up to summation order
@@ -296,6 +335,7 @@ def test_hidden_communication_settles_on_plain_ddp_without_a_search(run_ranks, t
     assert "searched" not in a["events"] and "switch" not in a["events"]
     assert "network_probe" not in a["events"]  # decided before the network is probed
     assert "communication is hidden" in a["summary"]["why"] and a["worker_gone"]
+    assert a["native"] and "native" in a["events"]  # plain DDP, without the hook
     saved = load_policy(save)
     assert saved.id == a["policy_id"] and "hidden" in saved.meta["verification"]["why"]
 
@@ -351,6 +391,8 @@ def test_a_drift_re_search_forks_and_runs_the_trials_again(run_ranks, tmp_path: 
     kinds = a["events"]
     assert kinds.count("settled") == 2 and "retrial" in kinds
     assert kinds.index("retrial") > kinds.index("settled")
+    # settled on plain DDP, it ran natively; the re-trials brought the hook back
+    assert kinds.index("settled") < kinds.index("native") < kinds.index("retrial")
     assert a["phase"] == "settled"
 
 
@@ -389,6 +431,17 @@ def test_set_bucket_cap_rebuilds_buckets_and_keeps_training_exact(run_ranks) -> 
     for r in run_ranks("test_auto:rank_rebucket", timeout=240):
         assert r["diff"] <= 1e-6
         assert len(set(r["buckets"])) >= 2  # the bucket count followed the caps
+
+
+def test_set_native_drops_and_restores_the_hook_and_keeps_training_exact(run_ranks) -> None:
+    for r in run_ranks("test_auto:rank_native", timeout=240):
+        assert r["diff"] <= 1e-6
+        assert r["counted"] == list(range(1, 16))  # a step counted once, hook or not
+        assert r["native"] == [False] * 3 + [True] * 6 + [False] * 3 + [True] * 3
+        moved = [b - a for a, b in zip(r["records"], r["records"][1:])]
+        # the hook records what it reduces, natively nothing
+        assert all(m > 0 for m in moved[9:11]) and all(m == 0 for m in moved[3:8] + moved[12:])
+        assert "only a plain policy" in r["refused"]
 
 
 def test_bad_auto_options_fail_in_wrap_with_one_clear_error(run_ranks, tmp_path: Path) -> None:

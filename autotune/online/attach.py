@@ -167,7 +167,8 @@ def attach(ddp: AutotuneDDP, profile: Profile | None, config: OnlineConfig, *,
         logger.warning("auto: this model's DDP buckets cannot be rebuilt (static_graph or "
                        "mixed precision); bucket_cap_mb stays %g", ddp.policy.bucket_cap_mb)
     controller = Controller(state, profile, config, ddp.process_group, auto=auto,
-                            module=ddp.module if auto else None, rebucket=rebucket)
+                            module=ddp.module if auto else None, rebucket=rebucket,
+                            native=ddp.set_native if rebucket is not None else None)
     ddp.on_step_boundary(controller.boundary)
     ddp.controller = controller
     return controller

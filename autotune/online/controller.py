@@ -28,7 +28,8 @@ between steps, at the start of a forward pass: never inside a backward pass.
 * **Bucket size** is kept by plain online revision (the search runs with the cap
   pinned). ``wrap(model, "auto")`` changes it: its controller is given the model's
   :meth:`~autotune.runtime.AutotuneDDP.set_bucket_cap`, which rebuilds DDP's reducer
-  at the announced step on every rank.
+  at the announced step on every rank; once settled on a plain policy it runs it
+  without the hook, as DDP's own allreduce (:meth:`Controller._go_native`).
 * **Auto** (``wrap(model, "auto")``): the controller starts from plain DDP and
   explores first. Rank 0 times a few steps of DDP (the reference), instruments a few
   more (:class:`~autotune.online.live.LiveProfiler`: gradient-ready times, compute,
@@ -196,12 +197,17 @@ class Controller:
         module: with ``auto``: the wrapped module, which rank 0 instruments.
         rebucket: called with a new ``bucket_cap_mb`` on every rank when a switched-to
             policy has another cap (None: caps stay as they are).
+        native: with ``auto``: called with True on every rank at the same check to run
+            the plain policy it settled on as DDP's own allreduce, without the hook
+            (:meth:`~autotune.runtime.AutotuneDDP.set_native`); a compressing policy
+            switched to later brings the hook back through ``rebucket``.
     """
 
     def __init__(
         self, state: AutotuneState, profile: Profile | None, config: OnlineConfig,
         process_group: dist.ProcessGroup | None = None, *, auto: bool = False,
         module: torch.nn.Module | None = None, rebucket: Callable[[float], None] | None = None,
+        native: Callable[[bool], None] | None = None,
     ) -> None:
         if profile is None and not auto:
             raise AutotuneError("online revision needs a profile (or auto=True)")
@@ -212,6 +218,7 @@ class Controller:
         self.config = config
         self.auto = auto
         self.rebucket = rebucket
+        self.native = native if rebucket is not None else None
         self._model_name = type(module).__name__ if module is not None else "model"
         self._grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters()
                                if p.requires_grad) if module is not None else 0
@@ -341,6 +348,25 @@ class Controller:
             self._probe()
         elif action == _NETWORK:
             self._probe_network(argument / 1e6)
+        self._go_native(bool(settled))
+
+    def _go_native(self, settled: bool) -> None:
+        """Every rank, after a check's broadcast: once auto has ``settled`` (as rank 0
+        broadcast it: its re-trials after a drift are not) on a plain policy that is in
+        force (no switch pending) and owes nothing (a switch's carry is paid by the
+        hook in the policy's first step), run it as DDP's own allreduce without the
+        hook. Decided from what every rank holds alike."""
+        state = self.state
+        if (self.native is None or not settled or self._pending is not None
+                or state.native or not state.policy.is_plain or state.owes):
+            return
+        self.native(True)
+        self._log({"event": "native", "step": self.step, "policy": state.policy.id})
+        if self.rank == 0:
+            with self._lock:
+                self._ref = None  # re-baseline drift detection: the step itself changed
+                self._settle = 1
+                self._strikes = 0
 
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -384,8 +410,11 @@ class Controller:
 
     def _apply(self, step: int, policy: Policy) -> None:
         old = self.state.policy
+        hook_back = self.state.native and not policy.is_plain
+        if hook_back:  # the reducer is rebuilt with the hook below, before the next backward
+            self.state.native = False
         self.state.set_policy(policy)
-        if self.rebucket is not None and policy.bucket_cap_mb != old.bucket_cap_mb:
+        if self.rebucket is not None and (hook_back or policy.bucket_cap_mb != old.bucket_cap_mb):
             self.rebucket(policy.bucket_cap_mb)
         event = {"event": "switch", "step": self.step, "announced_step": step,
                  "revision": self.revision, "old_policy": old.id, "new_policy": policy.id,

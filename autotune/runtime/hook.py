@@ -271,6 +271,12 @@ class AutotuneState:
         in_use = {s.canonical() for s in policy.compressors()}
         self.compressors = {s: c for s, c in self.compressors.items() if s in in_use}
 
+    @property
+    def owes(self) -> bool:
+        """Whether a policy switch's error feedback is still to be paid (see
+        :meth:`set_policy`): the hook pays it with the parameters' next gradients."""
+        return bool(self._carry)
+
     def _prepare_topology(self, policy: Policy) -> None:
         """Make the hierarchy's process groups the first time a hierarchical policy is set
         (collective: every rank sets the same policy at the same step)."""

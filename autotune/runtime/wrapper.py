@@ -154,6 +154,35 @@ class AutotuneDDP(DistributedDataParallel):
         Raises:
             AutotuneError: this model cannot be rebucketed (:attr:`can_rebucket`).
         """
+        self._rebuild(bucket_cap_mb, hooked=not self.comm_state.native)
+
+    def set_native(self, native: bool) -> None:
+        """Run the plain policy in force as DDP's own allreduce (True), or through
+        autotune's hook again (False); call between steps, at the same step on every
+        rank (the online controller does, once it settles on a plain policy and its
+        switch owes nothing: ``comm_state.owes``). The reducer is rebuilt as by
+        :meth:`set_bucket_cap`, at the policy's cap, with the hook or without it: any
+        Python communication hook costs a CPU-bound step something (an unshaped 2-rank
+        dlrm: PyTorch's own ``allreduce_hook`` 1.08x DDP's step, autotune's ``none``
+        1.06x), which a plain policy need not pay. Natively the policy cannot change, and
+        ``comm_state`` records no buckets.
+
+        Raises:
+            AutotuneError: the buckets cannot be rebuilt (:attr:`can_rebucket`), or
+                ``native`` with a policy that is not plain.
+        """
+        state = self.comm_state
+        if bool(native) == state.native:
+            return
+        if native and not state.policy.is_plain:
+            raise AutotuneError("only a plain policy runs as DDP's own allreduce; policy "
+                                f"{state.policy.id} compresses")
+        self._rebuild(state.policy.bucket_cap_mb, hooked=not native)
+        state.native = bool(native)
+
+    def _rebuild(self, bucket_cap_mb: float, hooked: bool) -> None:
+        """The reducer rebuilt over the same parameters at ``bucket_cap_mb``, with
+        autotune's hook registered on it (``hooked``) or none."""
         if not self.can_rebucket:
             raise AutotuneError(
                 "this model's DDP buckets cannot be rebuilt (static_graph, mixed precision, "
@@ -177,7 +206,9 @@ class AutotuneDDP(DistributedDataParallel):
         names = self._build_debug_param_to_name_mapping(parameters)
         self._ddp_init_helper(parameters, expect_sparse, names, False)
         self._has_rebuilt_buckets = False
-        for hook, state in self._comm_hooks:
+        if hooked and not self._comm_hooks:  # wrapped natively: the hook was never registered
+            self._comm_hooks.append((dispatch_hook, self.comm_state))
+        for hook, state in self._comm_hooks if hooked else ():
             if self.logger is not None:
                 self.logger._set_comm_hook_name(hook.__qualname__)
             dist._register_comm_hook(self.reducer, state, hook)
