@@ -55,7 +55,9 @@ STOCK_POWERSGD_FROM = 2
 # step is 3 s: calibration's seven steps per set-up cost 20 s of it)
 STEADY_STEP_S = 1.0
 STEADY_STEPS = 2  # timed steps of such a set-up, its last warm-up step among them
-HOOKS = tuple(dict.fromkeys(p.hook for p in PRESETS if p.hook is not None))  # PyTorch's, by preset
+# PyTorch's hooks: the presets' and ``allreduce`` (default_hooks.allreduce_hook: DDP's own
+# averaging as a Python hook, what any hook costs beside DDP's native path)
+HOOKS = (*dict.fromkeys(p.hook for p in PRESETS if p.hook is not None), "allreduce")
 # What applies a policy to a model: autotune.runtime.wrap, or autotune.online.wrap
 Wrap = Callable[..., torch.nn.Module]
 
@@ -176,7 +178,9 @@ def _stock_hook(
         note = ("stock powerSGD_hook run with one bucket: on gloo it deadlocks or aborts with "
                 "two or more")
     model = DistributedDataParallel(module, init_sync=False, **caps)
-    if setup.hook == "fp16":
+    if setup.hook == "allreduce":
+        state, hook = None, default_hooks.allreduce_hook
+    elif setup.hook == "fp16":
         state, hook = None, default_hooks.fp16_compress_hook
     elif setup.hook == "bf16":
         if dist.get_backend() != "nccl":

@@ -4,7 +4,9 @@ Same method, same buckets, same run. For each workload and link, one job trains,
 interleaved blocks (A B A B ...): plain DDP and our policy ``none`` (25 MB buckets) through
 autotune's hook (``native=False``: by default ``wrap`` runs a plain policy without the hook,
 as DDP's own allreduce, which is DDP by construction; the hook's ``none`` path is what the
-uncompressed buckets of a mixed policy take);
+uncompressed buckets of a mixed policy take), and the same ``none`` beside PyTorch's
+``allreduce_hook`` (``none/hook``: DDP's averaging as a stock Python hook, which pays what
+any hook pays beside DDP's native path);
 PyTorch's ``fp16_compress_hook`` and ``bf16_compress_hook`` and our ``fp16``/``bf16``
 (25 MB buckets; on gloo, where PyTorch's bf16 hook refuses to run, our bf16 is set
 beside its fp16 hook: the same bytes and steps in another dtype); PyTorch's ``powerSGD_hook`` at rank 1 and 4 and our ``powersgd`` at
@@ -50,6 +52,9 @@ CAP_MB = 25.0  # DDP's default bucket size, and the one fp16/bf16 run with
 # (ours, stock) pairs: name of the pair -> (our setup, the stock setup), minus the caps
 PAIRS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "none/ddp": ({"compressor": "none"}, {"kind": "ddp"}),
+    # the same method as a stock hook: PyTorch's allreduce_hook (what any Python hook
+    # costs beside DDP's native path is in both; none/ddp has it on our side only)
+    "none/hook": ({"compressor": "none"}, {"kind": "hook", "hook": "allreduce"}),
     "fp16": ({"compressor": "fp16"}, {"kind": "hook", "hook": "fp16"}),
     # PyTorch's bf16_compress_hook refuses anything but NCCL: on gloo our bf16 is set
     # beside the stock fp16 hook, the same bytes and the same steps in another dtype
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in cells:  # recomputed, so that runs saved before the interval show it
             by_name = {r["name"]: r for r in c["results"]}
             c["pairs"] = {pair: _pair_stats(by_name[f"ours:{pair}"], by_name[f"stock:{pair}"], block)
-                          for pair in PAIRS}
+                          for pair in PAIRS if f"stock:{pair}" in by_name}  # older runs lack some
         _report(console, cells)
         return 0
     warm_kernels()
@@ -162,7 +167,8 @@ def _report(console: Console, cells: list[dict[str, Any]]) -> None:
     for c in cells:
         table.add_row(c["link"], c["workload"], *(
             f"{s['ours_s'] * 1e3:.0f}/{s['stock_s'] * 1e3:.0f} {s['ratio']:.3f} "
-            f"[{s['interval'][0]:.2f}-{s['interval'][1]:.2f}] {s['verdict']}" for s in c["pairs"].values()))
+            f"[{s['interval'][0]:.2f}-{s['interval'][1]:.2f}] {s['verdict']}" if s else "–"
+            for s in (c["pairs"].get(pair) for pair in PAIRS)))
     console.print(table)
 
     phases = [p for p in PHASES if any(p in r.get("breakdown", {}).get("per_step_s", {})

@@ -56,7 +56,7 @@ def test_bench_measure_and_the_probe_iterate_the_table() -> None:
 
     assert list(BASELINES) == NAMES
     assert DEFAULT_BASELINES == [p.name for p in DEFAULT_PRESETS]
-    assert HOOKS == ("fp16", "bf16", "powersgd")
+    assert HOOKS == ("fp16", "bf16", "powersgd", "allreduce")
     for p in PRESETS:
         Setup.from_dict(p.setup(p.name))  # a valid measurement set-up
     assert BASELINE_SPECS == {p.name: p.spec for p in DEFAULT_PRESETS if not p.plain}
