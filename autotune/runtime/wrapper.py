@@ -177,6 +177,9 @@ class AutotuneDDP(DistributedDataParallel):
         if native and not state.policy.is_plain:
             raise AutotuneError("only a plain policy runs as DDP's own allreduce; policy "
                                 f"{state.policy.id} compresses")
+        if any(hook is not dispatch_hook for hook, _ in self._comm_hooks):
+            raise AutotuneError("another communication hook is registered on this model; "
+                                "DDP takes one, so autotune's cannot be added or removed")
         self._rebuild(state.policy.bucket_cap_mb, hooked=not native)
         state.native = bool(native)
 
@@ -206,9 +209,11 @@ class AutotuneDDP(DistributedDataParallel):
         names = self._build_debug_param_to_name_mapping(parameters)
         self._ddp_init_helper(parameters, expect_sparse, names, False)
         self._has_rebuilt_buckets = False
-        if hooked and not self._comm_hooks:  # wrapped natively: the hook was never registered
-            self._comm_hooks.append((dispatch_hook, self.comm_state))
-        for hook, state in self._comm_hooks if hooked else ():
+        if hooked and all(hook is not dispatch_hook for hook, _ in self._comm_hooks):
+            self._comm_hooks.append((dispatch_hook, self.comm_state))  # wrapped natively
+        for hook, state in self._comm_hooks:  # any other hook registered stays registered
+            if hook is dispatch_hook and not hooked:
+                continue
             if self.logger is not None:
                 self.logger._set_comm_hook_name(hook.__qualname__)
             dist._register_comm_hook(self.reducer, state, hook)
