@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autotune
 from autotune.errors import AutotuneError
-from autotune.online import controller, explore
+from autotune.online import controller, explore, search
 from autotune.policies import Policy, load_policy
 from autotune.workloads import resolve_workload
 
@@ -74,6 +74,12 @@ def _force_winner(prefer: str) -> None:
     however much the search slows the steps beside it."""
     controller.HIDDEN_MARGIN = -1.0
     controller.SEARCH_COST_STEPS = 10**9
+    # the contenders must not depend on this machine's load: none is pruned for its
+    # prediction (a loaded loopback once measured slow enough to predict compression
+    # faster and prune the DDP caps), and the search is a fork of this process, so
+    # that it sees the patch (a fresh worker would not)
+    controller.LINK_BOUND = -math.inf
+    search.PRUNE_ABOVE = math.inf
 
     def decide(self: explore.Exploration) -> Any:
         from autotune.trials import Decision
