@@ -199,8 +199,8 @@ class Controller:
             policy has another cap (None: caps stay as they are).
         native: with ``auto``: called with True on every rank at the same check to run
             the plain policy it settled on as DDP's own allreduce, without the hook
-            (:meth:`~autotune.runtime.AutotuneDDP.set_native`); a compressing policy
-            switched to later brings the hook back through ``rebucket``.
+            (:meth:`~autotune.runtime.AutotuneDDP.set_native`), and with False when a
+            compressing policy is switched to later.
     """
 
     def __init__(
@@ -362,9 +362,14 @@ class Controller:
             return
         self.native(True)
         self._log({"event": "native", "step": self.step, "policy": state.policy.id})
+        self._rebaseline()  # the step itself changed
+
+    def _rebaseline(self) -> None:
+        """Rank 0: drift detection starts again from the next windows (a new policy, or
+        the same one run another way)."""
         if self.rank == 0:
             with self._lock:
-                self._ref = None  # re-baseline drift detection: the step itself changed
+                self._ref = None
                 self._settle = 1
                 self._strikes = 0
 
@@ -410,21 +415,17 @@ class Controller:
 
     def _apply(self, step: int, policy: Policy) -> None:
         old = self.state.policy
-        hook_back = self.state.native and not policy.is_plain
-        if hook_back:  # the reducer is rebuilt with the hook below, before the next backward
-            self.state.native = False
+        if self.state.native and not policy.is_plain:
+            assert self.native is not None  # only it runs a policy natively
+            self.native(False)  # the hook runs this policy
         self.state.set_policy(policy)
-        if self.rebucket is not None and (hook_back or policy.bucket_cap_mb != old.bucket_cap_mb):
+        if self.rebucket is not None and policy.bucket_cap_mb != old.bucket_cap_mb:
             self.rebucket(policy.bucket_cap_mb)
         event = {"event": "switch", "step": self.step, "announced_step": step,
                  "revision": self.revision, "old_policy": old.id, "new_policy": policy.id,
                  "bucket_cap_mb": policy.bucket_cap_mb}
         self._log(event)
-        if self.rank == 0:
-            with self._lock:
-                self._ref = None  # re-baseline drift detection on the new policy
-                self._settle = 1
-                self._strikes = 0
+        self._rebaseline()
         logger.info("switched to policy %s at step %d", policy.id, self.step)
 
     # ----------------------------------------------------------- rank 0 logic
