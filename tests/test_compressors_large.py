@@ -69,6 +69,36 @@ def test_topk_threshold_selection_sends_the_k_largest(n: int, ratio: float) -> N
     assert sum(comm.sent.values()) == comp.wire_bytes((n,), 2)
 
 
+def test_topk_large_ratio_pads_a_few_percent_under_k_with_the_largest() -> None:
+    # where trimming ~k candidates would cost more than a larger sample, the threshold
+    # is set above the k-th largest: the c largest are sent, c about 5 % under k
+    n = 1_200_001
+    comp = compressors.create("topk", ratio=0.1, error_feedback=False)
+    assert comp._pads(n)
+    g = _grad(n)
+    out, comm = _reduce(comp, g, world=2)
+    k = comp.k(n)
+    sent = out != 0
+    assert 0.9 * k <= int(sent.sum()) < k
+    assert float(g[sent].abs().min()) > float(g[~sent].abs().max())
+    assert torch.equal(out[sent], g[sent])
+    assert sum(comm.sent.values()) == comp.wire_bytes((n,), 2)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.01])  # a threshold above the k-th, and below
+def test_topk_a_sample_that_misjudges_still_sends_exactly_the_k_largest(ratio: float) -> None:
+    # the sampled elements alone are tiny: nearly every element passes the threshold,
+    # more than the candidate buffers hold, and the selection is trimmed to the k largest
+    n = 1_200_001
+    comp = compressors.create("topk", ratio=ratio, error_feedback=False)
+    g = _grad(n).abs_().add_(1.0)
+    g[comp._sample(n, g.device)] = 1e-3
+    out, _ = _reduce(comp, g, world=2)
+    sent = out.nonzero().view(-1)
+    assert set(sent.tolist()) == set(g.topk(comp.k(n)).indices.tolist())
+    assert torch.equal(out[sent], g[sent])
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_topk_residual_is_what_was_not_sent(n: int) -> None:
     comp = compressors.create("topk", ratio=0.01)

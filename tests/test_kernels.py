@@ -17,10 +17,11 @@ from autotune.compressors import LocalComm, kernels
 from autotune.compressors import int8 as int8_module
 
 N = 3 * 2**18 + 1_001  # several chunks of every module, a ragged tail
+N_PADDED = 1_200_001  # large enough for top-k 0.1's threshold above the k-th largest
 
 
 def _run(form: str, name: str, params: dict, world: int, monkeypatch: pytest.MonkeyPatch,
-         steps: int = 3) -> tuple[list[torch.Tensor], dict]:
+         steps: int = 3, n: int = N) -> tuple[list[torch.Tensor], dict]:
     """Outputs of ``steps`` reductions of skewed gradients, and the state after them."""
     monkeypatch.setenv(kernels.ENV, form)
     kernels.available.cache_clear()
@@ -29,7 +30,7 @@ def _run(form: str, name: str, params: dict, world: int, monkeypatch: pytest.Mon
         gen = torch.Generator().manual_seed(0)
         outs = []
         for _ in range(steps):
-            g = torch.randn(N, generator=gen) * torch.rand(N, generator=gen) ** 3
+            g = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3
             comp.reduce([g], ["p"], LocalComm(world))
             outs.append(g)
         return outs, comp.state_dict()
@@ -53,14 +54,42 @@ def test_numba_is_installed_so_the_kernels_run_here() -> None:
 
 @pytest.mark.usefixtures("needs_numba")
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("ratio", [0.1, 0.01, 0.001])
+@pytest.mark.parametrize(("ratio", "n"), [(0.1, N), (0.01, N), (0.001, N), (0.1, N_PADDED)])
 def test_topk_kernels_send_and_keep_exactly_what_torch_does(
-        ratio: float, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    fused, fused_state = _run("numba", "topk", {"ratio": ratio}, world, monkeypatch)
-    eager, eager_state = _run("torch", "topk", {"ratio": ratio}, world, monkeypatch)
+        ratio: float, n: int, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    fused, fused_state = _run("numba", "topk", {"ratio": ratio}, world, monkeypatch, n=n)
+    eager, eager_state = _run("torch", "topk", {"ratio": ratio}, world, monkeypatch, n=n)
     for a, b in zip(fused, eager):
         assert torch.equal(a, b)
     assert torch.equal(fused_state["memory"]["p"], eager_state["memory"]["p"])
+
+
+def test_the_padded_size_takes_a_threshold_above_the_kth_largest() -> None:
+    assert compressors.create("topk", ratio=0.1)._pads(N_PADDED)
+    assert not compressors.create("topk", ratio=0.1)._pads(N)
+
+
+@pytest.mark.usefixtures("needs_numba")
+@pytest.mark.parametrize("world", [2, 3])
+def test_topk_decoding_sums_every_ranks_entries_and_zeroes_the_rest(world: int) -> None:
+    # ranks hold different indices (LocalComm's ranks would all send the same), one
+    # padded by repeating its last entry; 3 ranks divide by a number not a power of two
+    n, k = 100_003, 5_000
+    gen = torch.Generator().manual_seed(1)
+    gathered = torch.empty(world, 2 * k, dtype=torch.int32)
+    want = torch.zeros(n, dtype=torch.float64)
+    for w in range(world):
+        sent = k - 700 if w == 1 else k
+        idx = torch.randperm(n, generator=gen)[:sent].sort().values
+        idx = torch.cat([idx, idx[-1:].expand(k - sent)])
+        vals = torch.randn(k, generator=gen)
+        gathered[w, :k] = vals.view(torch.int32)
+        gathered[w, k:] = idx.to(torch.int32)
+        want.index_add_(0, idx[:sent], (vals[:sent] / world).double())
+    out = torch.full((n,), float("nan"))
+    kernels.get().topk_decode(kernels.array(out), kernels.array(gathered), 0, k, k, world)
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-7)
+    assert int((out != 0).sum()) == int((want != 0).sum())
 
 
 @pytest.mark.usefixtures("needs_numba")

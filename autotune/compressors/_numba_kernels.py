@@ -15,8 +15,14 @@ from typing import Any
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros  # LLVM's cttz
 
 from autotune.compressors.kernels import CHUNK, GATHER_BITS
+
+DECODE_BLOCK = 1 << 14  # elements of top-k's output summed at a time (64 KB: in L2)
+# 8 bytes of 0/1 -> their bits in the top byte, byte j on bit 56 + j (the reverse of
+# GATHER_BITS' order; distinct products, so no carries)
+LOW_FIRST_BITS = np.uint64(0x0102040810204080)
 
 
 def _compiler(**options: Any) -> Any:
@@ -205,17 +211,18 @@ def int8_decode(gathered: Any, c_off: int, scales: Any, s_off: int, block: int,
 
 
 @jit
-def topk_select(m: Any, add: Any, has_add: bool, ef: bool, zero: Any, has_zero: bool,
-                thr: Any, strict: bool, start: int, idx: Any, val: Any) -> tuple[int, int]:
+def topk_select(m: Any, add: Any, has_add: bool, ef: bool, thr: Any, strict: bool,
+                start: int, idx: Any, val: Any) -> tuple[int, int]:
     """From ``start``: m += add; the elements with |m| >= thr (> if strict) go to
-    (idx, val) and, with error feedback, are zeroed in m; ``zero`` is zeroed as it is
-    passed. Stops before a chunk whose candidates could overflow idx: returns
-    (candidates found, where it stopped).
+    (idx, val), in ascending order, and with error feedback are zeroed in m. Stops
+    before a chunk whose candidates could overflow idx: returns (candidates found,
+    where it stopped).
 
     Per chunk (in cache): a vectorised loop adds and marks the candidates in a byte
-    mask; the mask is then read 8 bytes at a time, and only a word with a mark is
-    looked at, its 8 elements without a branch each (written always, kept by counting
-    the mark): a branch per element mispredicts at every candidate."""
+    mask; each 64 bytes of it are gathered into a word of bits (8 multiplications),
+    and only its set bits are visited, lowest first (a branch per element would
+    mispredict at every candidate, and writing every element unkept would cost a
+    store per element)."""
     n = m.size
     cap = idx.size
     mask = np.zeros(CHUNK, dtype=np.uint8)
@@ -226,47 +233,55 @@ def topk_select(m: Any, add: Any, has_add: bool, ef: bool, zero: Any, has_zero: 
         if cap - c < hi - lo:
             return c, lo
         ms = m[lo:hi]
+        size = ms.size
         if has_add:
             adds = add[lo:hi]
-            for i in range(ms.size):
-                ms[i] = ms[i] + adds[i]
-        if strict:
-            for i in range(ms.size):
+            if strict:
+                for i in range(size):
+                    v = ms[i] + adds[i]
+                    ms[i] = v
+                    mask[i] = abs(v) > thr
+            else:
+                for i in range(size):
+                    v = ms[i] + adds[i]
+                    ms[i] = v
+                    mask[i] = abs(v) >= thr
+        elif strict:
+            for i in range(size):
                 mask[i] = abs(ms[i]) > thr
         else:
-            for i in range(ms.size):
+            for i in range(size):
                 mask[i] = abs(ms[i]) >= thr
-        mask[ms.size :] = 0
-        first = c
-        for w in range((ms.size + 7) // 8):
-            if words[w]:
-                for j in range(8 * w, 8 * w + 8):
-                    idx[c] = j
-                    c += mask[j]
-        for j in range(first, c):  # the values, then the indices made absolute
-            at = idx[j]
-            val[j] = ms[at]
-            if ef:
-                ms[at] = 0.0
-            idx[j] = lo + at
-        if has_zero:  # last: without error feedback ``zero`` may be m itself
-            zs = zero[lo:hi]
-            for i in range(zs.size):
-                zs[i] = 0.0
+        blocks = (size + 63) // 64
+        mask[size : 64 * blocks] = 0
+        for b in range(blocks):
+            bits = np.uint64(0)
+            for t in range(8):
+                bits |= ((words[8 * b + t] * LOW_FIRST_BITS) >> np.uint64(56)) << np.uint64(8 * t)
+            while bits:
+                at = 64 * b + trailing_zeros(bits)  # the lowest set bit
+                idx[c] = lo + at
+                val[c] = ms[at]
+                if ef:
+                    ms[at] = 0.0
+                c += 1
+                bits &= bits - np.uint64(1)
     return c, n
 
 
 @jit
-def kth_largest_abs_bits(bits: Any, k: int) -> tuple[Any, int]:
+def kth_largest_abs_bits(bits: Any, k: int) -> tuple[Any, int, int]:
     """(the k-th largest |x| of fp32 ``x``, given as its int32 view, as bits; how many
-    are larger): a radix selection over the magnitudes' bit patterns (which order as
-    their values), first by their top bits above the smallest, spread over 65536
-    bins (bins crowded by close values would make each count wait on the last),
-    then by the remaining low bits within the bin that holds the k-th. Three passes
-    (the range, then the two counts); no sort, no copy."""
+    are larger; how many are equal to it): a radix selection over the magnitudes' bit
+    patterns (which order as their values), first by their top bits above the
+    smallest, spread over 65536 bins (bins crowded by close values would make each
+    count wait on the last), then by the remaining low bits of the few in the bin that
+    holds the k-th (found by a vectorised mark, then only marked words looked at).
+    No sort, no copy."""
+    n = bits.size
     least = np.int32(0x7FFFFFFF)
     most = np.int32(0)
-    for j in range(bits.size):
+    for j in range(n):
         a = bits[j] & 0x7FFFFFFF
         least = a if a < least else least
         most = a if a > most else most
@@ -275,7 +290,7 @@ def kth_largest_abs_bits(bits: Any, k: int) -> tuple[Any, int]:
     while (span >> shift) >= 65536:
         shift += 1
     hist = np.zeros(65536, dtype=np.int32)
-    for j in range(bits.size):
+    for j in range(n):
         hist[((bits[j] & 0x7FFFFFFF) - least) >> shift] += 1
     above = 0
     top = span >> shift
@@ -284,59 +299,109 @@ def kth_largest_abs_bits(bits: Any, k: int) -> tuple[Any, int]:
         top -= 1
     base = least + (top << shift)
     if shift == 0:
-        return np.int32(base), above
+        return np.int32(base), above, hist[top]
     width = 1 << shift
     hist[:width] = 0
-    for j in range(bits.size):
-        d = (bits[j] & 0x7FFFFFFF) - base
-        if d >= 0 and d < width:
-            hist[d] += 1
+    mark = np.zeros((n + 7) // 8 * 8, dtype=np.uint8)
+    for j in range(n):
+        mark[j] = ((bits[j] & 0x7FFFFFFF) - least) >> shift == top
+    words = mark.view(np.uint64)
+    for w in range(words.size):
+        if words[w]:
+            for j in range(8 * w, 8 * w + 8):
+                if mark[j]:
+                    hist[(bits[j] & 0x7FFFFFFF) - base] += 1
     low = width - 1
     while above + hist[low] < k:
         above += hist[low]
         low -= 1
-    return np.int32(base + low), above
+    return np.int32(base + low), above, hist[low]
 
 
 @jit
-def topk_trim(m: Any, ef: bool, idx: Any, val: Any, k: int, out_idx: Any, out_val: Any) -> None:
-    """The k largest |val| of the candidates into (out_idx, out_val), which hold k + 1
-    (a slot to write into unkept), in their ascending order; ties at the k-th largest
-    kept first come; with error feedback the dropped are put back into m. Without a
-    branch per candidate: about one in five is dropped, at no predictable place."""
+def topk_trim(m: Any, ef: bool, idx: Any, val: Any, out_idx: Any, out_val: Any) -> None:
+    """The k = out_idx.size largest |val| of the candidates (idx, val) into (out_idx,
+    out_val), in their ascending order; ties at the k-th largest kept first come;
+    with error feedback the dropped are put back into m. Without a branch per
+    candidate (about one in ten is dropped, at no predictable place): each is written
+    and kept by counting it, up to the last kept one (after which out is full)."""
+    k = out_idx.size
     bits = val.view(np.int32)
-    kth, above = kth_largest_abs_bits(bits, k)
-    ties = k - above
+    kth, above, equal = kth_largest_abs_bits(bits, k)
+    ties = k - above  # of the candidates equal to the k-th largest, how many are kept
+    last = bits.size - 1  # the last kept candidate
+    while (bits[last] & 0x7FFFFFFF) < kth:
+        last -= 1
     o = 0
-    dropped = np.empty(bits.size - k + 1, dtype=np.int64)  # and a slot as out's
+    dropped = np.empty(bits.size - k + 1, dtype=np.int64)
     d = 0
-    for j in range(bits.size):
-        mag = bits[j] & 0x7FFFFFFF
-        tie = (mag == kth) & (ties > 0)
-        keep = (mag > kth) | tie
-        ties -= tie
-        out_idx[o] = idx[j]
-        out_val[o] = val[j]
-        o += keep
-        dropped[d] = j
-        d += not keep
+    if ties == equal:  # every candidate at least the k-th largest is kept
+        for j in range(last + 1):
+            keep = (bits[j] & 0x7FFFFFFF) >= kth
+            out_idx[o] = idx[j]
+            out_val[o] = val[j]
+            o += keep
+            dropped[d] = j
+            d += not keep
+    else:
+        for j in range(bits.size):
+            mag = bits[j] & 0x7FFFFFFF
+            tie = (mag == kth) & (ties > 0)
+            keep = (mag > kth) | tie
+            ties -= tie
+            if keep:
+                out_idx[o] = idx[j]
+                out_val[o] = val[j]
+                o += 1
+            else:
+                dropped[d] = j
+                d += 1
+        last = bits.size - 1
     if ef:
         for j in dropped[:d]:
+            m[idx[j]] = val[j]
+        for j in range(last + 1, bits.size):
             m[idx[j]] = val[j]
 
 
 @jit
-def topk_decode(out: Any, idx: Any, val: Any) -> None:
-    """out[idx[w]] += val[w] for each rank w in order (rank 0's copied: out holds
-    zeros there). A rank's indices ascend; only padding repeats one."""
-    k = idx.shape[1]
-    for j in range(k):
-        out[idx[0, j]] = val[0, j]
-    for w in range(1, idx.shape[0]):
-        iw = idx[w]
-        vw = val[w]
-        for j in range(k):
-            i = iw[j]
-            if j and i == iw[j - 1]:
-                continue  # padding repeats the last entry: added once
-            out[i] = out[i] + vw[j]
+def topk_decode(out: Any, gathered: Any, values_at: int, indices_at: int, k: int,
+                world: int) -> None:
+    """out = the sum over ranks w, in rank order, of their k values / world at their k
+    indices, zero elsewhere: every element of out is written. Rank w's values (fp32
+    bits) are ``gathered[w, values_at:][:k]``, its indices ``gathered[w, indices_at:][:k]``,
+    ascending but for padding, which repeats the last one (added once). Block by block
+    of out, each in cache while every rank adds into it, so that out is swept once
+    (not once per rank)."""
+    ranks = gathered.shape[0]
+    idx = gathered[:, indices_at : indices_at + k]
+    val = gathered.view(np.float32)[:, values_at : values_at + k]
+    # dividing by a power of two is multiplying by its exact inverse: the same bits, at
+    # a fraction of a division's cost
+    power_of_two = world & (world - 1) == 0
+    scale = np.float32(1.0 / world) if power_of_two else np.float32(world)
+    ends = np.empty(ranks, dtype=np.int64)  # where each rank's padding starts
+    for w in range(ranks):
+        e = k
+        while e > 1 and idx[w, e - 1] == idx[w, e - 2]:
+            e -= 1
+        ends[w] = e
+    at = np.zeros(ranks, dtype=np.int64)  # each rank's next entry
+    n = out.size
+    for lo in range(0, n, DECODE_BLOCK):
+        hi = min(n, lo + DECODE_BLOCK)
+        block = out[lo:hi]
+        for i in range(block.size):
+            block[i] = 0.0
+        for w in range(ranks):
+            iw = idx[w]
+            vw = val[w]
+            first = at[w]
+            stop = first + np.searchsorted(iw[first : ends[w]], hi)
+            if power_of_two:
+                for j in range(first, stop):
+                    out[iw[j]] += vw[j] * scale
+            else:
+                for j in range(first, stop):
+                    out[iw[j]] += vw[j] / scale
+            at[w] = stop

@@ -8,39 +8,48 @@ single all_gather of ``8 k`` bytes per tensor, ``k = ceil(ratio * numel)``: exac
 
 Selection: a full ``torch.topk`` costs about 60 memcpys of the gradient on a CPU (a
 sort's worth of work), so only tensors of fewer than :data:`EXACT_BELOW` elements, or
-with ``k < 64``, use it. Larger ones use a sampled threshold; the count is then still
-exactly ``k`` on the wire, and which elements are sent is approximate only in a rare
-case (3. below):
+with ``k < 64``, use it. Larger ones use a sampled threshold, as Deep Gradient
+Compression does; the count on the wire is still exactly ``k``, padded where fewer are
+sent:
 
 1. a fixed sample of ``s`` elements (runs of :data:`SAMPLE_RUN` consecutive elements,
-   one at a random place in each stratum; ``s = (numel sqrt(ratio))^(2/3)``, at least
-   :data:`MIN_SAMPLE` and at most ``numel / 8``, a size that balances the sample's cost
-   against step 3's) gives a magnitude threshold ``thr`` that ``h + 3 sqrt(h) + 1``
-   sampled elements reach, ``h = k s / numel`` the number expected at or above the true
-   k-th largest: a threshold about 3 standard deviations below it, so that the ``c``
-   elements with ``|x| >= thr`` usually number somewhat more than ``k`` (10-50 %);
+   one at a random place in each stratum) gives a magnitude threshold ``thr`` from
+   ``h = k s / numel``, the number of sampled elements expected at or above the true
+   k-th largest. Below it by default: ``s = (numel sqrt(ratio))^(2/3)`` (at least
+   :data:`MIN_SAMPLE`, at most ``numel / 8``, a size that balances the sample's cost
+   against step 3's) and ``thr`` the magnitude ``h + 3 sqrt(h) + 1`` sampled elements
+   reach, about 3 standard deviations below the k-th largest, so that the ``c``
+   elements with ``|x| >= thr`` usually number somewhat more than ``k`` (5-50 %).
+   Above it where trimming would cost more than a larger sample (``ratio * k`` at
+   least :data:`PAD_WORTH`, e.g. ratio 0.1 from 1 M elements): ``s`` at least
+   ``PAD_HITS / ratio`` and ``thr`` the magnitude ``h - 2.5 sqrt(h)`` reach, so that
+   ``c`` is usually about 5 % under ``k`` (90-99 % of it on Gaussian and skewed
+   gradients, a few steps in a hundred over ``k`` on gradients whose rows differ
+   greatly in scale);
 2. one pass over the tensor in chunks of :data:`CHUNK` elements, each of which stays in
    cache while it is worked on, adds the error feedback, finds the candidates (each
    group of elements is screened by its largest and smallest value, so that only
    groups that reach ``thr`` are looked at element by element), takes their values,
    zeroes them in the residual and zeroes the chunk of the output;
-3. if ``c >= k`` the ``c - k`` smallest candidates are dropped (and given back to the
+3. if ``c > k`` the ``c - k`` smallest candidates are dropped (and given back to the
    residual): the result is exactly the k largest, since all of them are candidates.
-   If ``c < k`` (the sample overestimated the threshold: 1 step in 600 with error
-   feedback on skewed random gradients, none in 450 steps of larger tensors) the ``c``
-   largest are sent, and the payload is padded by repeating the
-   last entry (decoding copies a rank's entries into place, so a repeat changes
+   If ``c <= k`` the ``c`` largest are sent, and the payload is padded by repeating the
+   last entry (decoding adds a rank's repeated index once, so a repeat changes
    nothing): fewer than ``k`` elements count that step, and what was not sent stays
-   in the error feedback.
+   in the error feedback. With a threshold below the k-th largest this is rare (the
+   sample overestimated it: 1 step in 600 with error feedback on skewed random
+   gradients, none in 450 steps of larger tensors); above it, it is the rule.
 
 The error feedback is kept in place: the residual buffer holds the compensated
 gradient, and the sent entries are zeroed in it, so no full-size temporary is made.
 Indices stay in ascending order, so that decoding sweeps the output forwards.
 
-On a CPU, step 2 is one compiled loop over the tensor, and step 3 (a radix selection of
-the k-th largest magnitude, no sort) and the decoding are compiled too
+On a CPU, step 2 is one compiled loop over the tensor that writes the candidates straight
+into the payload when they are expected to fit, and step 3 (a radix selection of the
+k-th largest magnitude, no sort) and the decoding are compiled too
 (:mod:`autotune.compressors.kernels`): the same selection, without ``nonzero``'s cost per
-element.
+element. The compiled decoder writes every element of the output, so there the
+selection pass leaves the output alone instead of zeroing it.
 """
 
 from __future__ import annotations
@@ -71,6 +80,14 @@ MIN_SAMPLE = 4096  # smallest threshold sample (when the tensor has 8 times as m
 SAMPLE_RUN = 16  # the sample is taken in runs of this many consecutive elements
 MAX_GROUP = 64  # largest group whose maximum screens its elements
 MARGIN_SIGMAS = 3.0  # the threshold's margin below the sampled k-th largest, in sigmas
+# Above it instead (fewer than k sent, no trimming) where trimming ~k candidates costs
+# more than the larger sample: when ratio * k reaches PAD_WORTH (the two costs, measured
+# on this CPU, meet near 10_000), with a sample of PAD_HITS / ratio elements (at most
+# numel / 8), which puts the threshold PAD_SIGMAS * sqrt(PAD_HITS) / PAD_HITS = 5 %
+# above the k-th largest in count.
+PAD_WORTH = 10_000
+PAD_HITS = 2_500
+PAD_SIGMAS = 2.5
 
 
 @register
@@ -118,28 +135,30 @@ class TopK(ErrorFeedbackCompressor):
         total = sum(ks)
         payload = torch.empty(2 * total, dtype=torch.int32, device=tensors[0].device)
         start = 0
-        # the result is written straight into fp32 contiguous tensors, which encode
-        # zeroes chunk by chunk while the chunk is in cache (no later pass over them)
+        # the result is written straight into fp32 contiguous tensors; the torch forms
+        # zero them chunk by chunk while encoding (in cache: no later pass over them),
+        # the compiled decoder writes every element anyway
         direct = [t.dtype == torch.float32 and t.is_contiguous() for t in tensors]
         for t, name, k, d in zip(tensors, names, ks, direct):
-            values, indices = self._encode(t, name, k, zero=d)
-            payload[start : start + k] = values.view(torch.int32)
-            payload[total + start : total + start + k] = indices
+            # this tensor's k values (fp32 bits) and indices, written in place
+            self._encode(t, name, zero=d and not kernels.use_for(t),
+                         into=(payload[start : start + k].view(torch.float32),
+                               payload[total + start : total + start + k]))
             start += k
         gathered = comm.all_gather(payload)  # (W, 2 * total)
         start = 0
         for t, k, d in zip(tensors, ks, direct):
-            # the W payloads, averaged: scaled first, on W k values rather than numel
-            values = gathered[:, start : start + k].view(torch.float32).div(comm.world_size)
-            out = t.view(-1) if d else torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
-            if kernels.use_for(out):
-                kernels.get().topk_decode(kernels.array(out),
-                                          kernels.array(gathered[:, total + start : total + start + k]),
-                                          kernels.array(values))
+            if kernels.use_for(t):
+                out = t.view(-1) if d else torch.empty(t.numel(), dtype=torch.float32)
+                kernels.get().topk_decode(kernels.array(out), kernels.array(gathered),
+                                          start, total + start, k, comm.world_size)
                 if not d:
                     t.copy_(out.view_as(t))
                 start += k
                 continue
+            # the W payloads, averaged: scaled first, on W k values rather than numel
+            values = gathered[:, start : start + k].view(torch.float32).div(comm.world_size)
+            out = t.view(-1) if d else torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
             indices = gathered[:, total + start : total + start + k].long()
             # a rank's indices are distinct, so the first is copied and the others added
             # by gather-add-copy: both several times faster than index_add_ on a CPU,
@@ -151,13 +170,14 @@ class TopK(ErrorFeedbackCompressor):
                 t.copy_(out.view_as(t))
             start += k
 
-    def _encode(
-        self, t: torch.Tensor, name: str, k: int, zero: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``k`` (values, ascending indices) of ``t``; updates the residual
-        and, if ``zero``, leaves ``t`` zero (its gradient is consumed on the way)."""
+    def _encode(self, t: torch.Tensor, name: str, zero: bool,
+                into: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """This rank's k (values, ascending indices) of ``t`` into ``into`` (fp32 and
+        int32, k each: its slots of the payload); updates the residual and, if
+        ``zero``, leaves ``t`` zero (its gradient is consumed on the way)."""
         grad = t.detach().reshape(-1)
         n = grad.numel()
+        k = into[1].numel()
         ef = self.memory.enabled
         # ``add`` is added to ``m`` during the selection pass; without error feedback
         # ``m`` may be t itself, overwritten by the result only after the payload is taken
@@ -172,18 +192,15 @@ class TopK(ErrorFeedbackCompressor):
                 m.index_fill_(0, idx, 0.0)  # the residual: compensated minus what was sent
             if zero:
                 t.zero_()
+            _put(into, [(idx, values)])
         else:
-            idx, values = self._threshold_select(m, add, k, ef, grad if zero else None)
-        if idx.numel() < k:
-            # padding repeats the last entry (or sends 0 at index 0): decoding copies a
-            # rank's entries into place, so a repeated one changes nothing
-            pad = k - idx.numel()
-            if idx.numel():
-                values = torch.cat([values, values[-1:].expand(pad)])
-                idx = torch.cat([idx, idx[-1:].expand(pad)])
-            else:
-                values, idx = values.new_zeros(k), idx.new_zeros(k)
-        return values, idx
+            self._threshold_select(m, add, ef, grad if zero else None, into)
+
+    def _pads(self, n: int) -> bool:
+        """Whether a tensor of ``n`` elements takes a threshold above its k-th largest
+        (fewer than k sent, padded, no trimming) rather than below it (trimmed to k)."""
+        ratio = self.config["ratio"]
+        return ratio * self.k(n) >= PAD_WORTH and PAD_HITS / ratio <= n / 8
 
     def _sample(self, n: int, device: torch.device) -> torch.Tensor:
         """Fixed sample positions for tensors of ``n`` elements: runs of
@@ -194,6 +211,8 @@ class TopK(ErrorFeedbackCompressor):
         tighter threshold, so fewer surplus candidates to drop."""
         ratio = self.config["ratio"]
         s = min(n // 8, max(MIN_SAMPLE, int((n * math.sqrt(ratio)) ** (2 / 3))))
+        if self._pads(n):
+            s = max(s, math.ceil(PAD_HITS / ratio))
         key = (n, str(device))
         cached = self._samples.get(key)
         if cached is None:
@@ -206,14 +225,15 @@ class TopK(ErrorFeedbackCompressor):
         return cached
 
     def _threshold_select(
-        self, m: torch.Tensor, add: torch.Tensor | None, k: int, ef: bool,
-        zero: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ascending indices, values) of the k largest ``|m + add|``, fewer if the
-        sampled threshold was too high. Adds ``add`` into ``m``, with error feedback
-        zeroes the entries returned in ``m``, and zeroes ``zero`` (if given) once each
-        chunk of it is consumed."""
+        self, m: torch.Tensor, add: torch.Tensor | None, ef: bool,
+        zero: torch.Tensor | None, into: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """The k largest ``|m + add|`` (fewer, padded, if the sampled threshold was too
+        high) into ``into`` (values, ascending indices). Adds ``add`` into ``m``, with
+        error feedback zeroes the entries sent in ``m``, and zeroes ``zero`` (if given)
+        once each chunk of it is consumed."""
         n = m.numel()
+        k = into[1].numel()
         pos = self._sample(n, m.device)
         sample = m.index_select(0, pos)
         if add is not None:
@@ -221,13 +241,18 @@ class TopK(ErrorFeedbackCompressor):
         sample.abs_()
         s = sample.numel()
         hits = k * s / n
-        j = min(s, math.ceil(hits + MARGIN_SIGMAS * math.sqrt(hits)) + 1)
+        pads = self._pads(n)
+        if pads:
+            j = max(1, math.floor(hits - PAD_SIGMAS * math.sqrt(hits)))
+        else:
+            j = min(s, math.ceil(hits + MARGIN_SIGMAS * math.sqrt(hits)) + 1)
         thr = float(sample.topk(j, sorted=False).values.min())
         strict = thr == 0.0  # never pick zeros: a mostly-zero gradient sends its non-zeros
         if kernels.use_for(m):
-            # room for twice the candidates the sample expects (j of its s elements)
-            cap = 2 * math.ceil(j * n / s) + 2 * kernels.CHUNK
-            return self._select_fused(m, add, k, ef, zero, thr, strict, cap)
+            # padding: the candidates go straight into the payload; else room for twice
+            # those the sample expects (j of its s elements)
+            self._select_fused(m, add, ef, thr, strict, pads, 2 * math.ceil(j * n / s), into)
+            return
         # screen the elements in groups, by their maximum: groups of about 1/8 of the
         # inverse candidate density, so that about one group in ten holds a candidate
         group = 1
@@ -253,7 +278,8 @@ class TopK(ErrorFeedbackCompressor):
         cand, values = torch.cat(found), torch.cat(taken)
         extra = cand.numel() - k
         if extra <= 0:
-            return cand, values
+            _put(into, [(cand, values)])
+            return
         # drop the surplus with a mask, which keeps the candidates in ascending order:
         # decoding then sweeps memory forwards (random order costs a cache miss each)
         mags = values.abs()
@@ -267,48 +293,71 @@ class TopK(ErrorFeedbackCompressor):
         if ef:  # the dropped candidates stay owed
             m.index_copy_(0, cand.index_select(0, drop), values.index_select(0, drop))
         kept = keep.nonzero().view(-1)
-        return cand.index_select(0, kept), values.index_select(0, kept)
+        _put(into, [(cand.index_select(0, kept), values.index_select(0, kept))])
 
     def _select_fused(
-        self, m: torch.Tensor, add: torch.Tensor | None, k: int, ef: bool,
-        zero: torch.Tensor | None, thr: float, strict: bool, cap: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_threshold_select`'s pass and trimming as compiled loops (a CPU tensor);
-        ``cap``: the candidates to make room for (more take another call of the kernel)."""
+        self, m: torch.Tensor, add: torch.Tensor | None, ef: bool, thr: float, strict: bool,
+        pads: bool, room: int, into: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """:meth:`_threshold_select`'s pass and trimming as compiled loops (a CPU tensor).
+        The candidates are found into the payload's slots when ``pads`` (they are
+        expected to fit), else into a scratch buffer of ``room``; the kernel stops
+        before a chunk that might not fit, and goes on into (another) scratch buffer."""
         kern = kernels.get()
         m_np = kernels.array(m)
         add_np = kernels.addend(add, m_np)
-        zero_np = kernels.array(zero) if zero is not None else m_np[:0]
-        # the kernel stops at a full buffer and goes on from there with the next
-        idx, val = self._found("candidates", cap)
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        pos, n = 0, m.numel()
-        while True:
-            c, pos = kern.topk_select(m_np, add_np, add is not None, ef, zero_np, zero is not None,
-                                      np.float32(thr), strict, pos, kernels.array(idx),
-                                      kernels.array(val))
-            if pos >= n and not parts:
-                cand, values = idx[:c], val[:c]
-                break
-            parts.append((idx[:c].clone(), val[:c].clone()))
-            if pos >= n:
-                cand, values = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-                break
-        if cand.numel() <= k:
-            return cand, values
-        kept_idx, kept_val = self._found("kept", k + 1)
-        kern.topk_trim(m_np, ef, kernels.array(cand), kernels.array(values), k,
-                       kernels.array(kept_idx), kernels.array(kept_val))
-        return kept_idx[:k], kept_val[:k]
+        k, n = into[1].numel(), m.numel()
+        room = max(room, 2 * kernels.CHUNK)
+        buf = (into[1], into[0]) if pads else self._candidates(room)
+        found: list[tuple[torch.Tensor, torch.Tensor]] = []  # (indices, values) in order
+        pos = 0
+        while pos < n:
+            c, pos = kern.topk_select(m_np, add_np, add is not None, ef, np.float32(thr), strict,
+                                      pos, kernels.array(buf[0]), kernels.array(buf[1]))
+            part = (buf[0][:c], buf[1][:c])
+            if pos < n:  # the scratch buffer takes the rest: what it holds is kept apart
+                if buf[0] is not into[1]:
+                    part = (part[0].clone(), part[1].clone())
+                buf = self._candidates(room)
+            found.append(part)
+        if sum(part[0].numel() for part in found) <= k:
+            _put(into, found)
+            return
+        idx, val = found[0] if len(found) == 1 else (torch.cat([p[0] for p in found]),
+                                                     torch.cat([p[1] for p in found]))
+        if idx.data_ptr() == into[1].data_ptr():  # trimming writes where it reads
+            idx, val = idx.clone(), val.clone()
+        kern.topk_trim(m_np, ef, kernels.array(idx), kernels.array(val),
+                       kernels.array(into[1]), kernels.array(into[0]))
 
-    def _found(self, role: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index (int64) and value (fp32) buffers of ``size`` on the CPU for ``role``, kept
-        between reductions (a fresh one of MBs page-faults again every step); what is
-        returned in them is copied into the payload before the next tensor is encoded."""
-        have = self._scratch.get(role)
-        if have is None or have.numel() < 3 * size:
-            have = self._scratch[role] = torch.empty(3 * size, dtype=torch.float32)
-        return have[: 2 * size].view(torch.int64), have[2 * size : 3 * size]
+    def _candidates(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index (int32, as the payload's) and value (fp32) buffers of ``size`` for the
+        selection's candidates, kept between reductions (a fresh one of MBs page-faults
+        again every step); what is found in them is taken before the next tensor."""
+        have = self._scratch.get("candidates")
+        if have is None or have.numel() < 2 * size:
+            have = self._scratch["candidates"] = torch.empty(2 * size, dtype=torch.float32)
+        return have[:size].view(torch.int32), have[size : 2 * size]
+
+
+def _put(into: tuple[torch.Tensor, torch.Tensor],
+         found: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write a selection of at most k entries, given in parts ((indices, values) each,
+    in order), into ``into`` (k values, k indices) one after another (a part found in
+    place is left there); fewer than k are padded by repeating the last entry (or 0 at
+    index 0 if there is none): decoding adds a rank's repeated index once, so padding
+    changes nothing."""
+    values, indices = into
+    c = 0
+    for idx, vals in found:
+        size = idx.numel()
+        if size and idx.data_ptr() != indices[c:].data_ptr():
+            indices[c : c + size] = idx
+            values[c : c + size] = vals
+        c += size
+    if c < indices.numel():
+        values[c:] = values[c - 1] if c else 0.0
+        indices[c:] = indices[c - 1] if c else 0
 
 
 def _above(x: torch.Tensor, scratch: torch.Tensor, thr: float, strict: bool, group: int) -> torch.Tensor:
