@@ -14,11 +14,10 @@ set-ups :func:`bench_setups` lists for ``autotune bench``.
 from __future__ import annotations
 
 import copy
-import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,9 +42,6 @@ KINDS = ("ddp", "policy", "hook", "floor")
 # such steps costs nothing)
 CLEARLY_SLOWER = 2.0
 CLEAR_GAP_S = 0.05
-# of the budget, the most a set-up kept to be learned (``learn``) may cost in steps it
-# would not otherwise have run
-LEARN_SHARE = 0.05
 # PyTorch's PowerSGD hook averages by plain allreduce before this step (its minimum with
 # error feedback, which it checks); measuring advances its counter to it after the first
 # step instead, once DDP's buckets are final (they are rebuilt at the second step's
@@ -290,7 +286,6 @@ def rank_measure(
     wrap: Wrap | None = None,
     predicted: dict[str, float] | None = None,
     steady_s: float | None = None,
-    learn: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Run every set-up for ``rounds`` interleaved blocks of ``block`` steps.
 
@@ -329,12 +324,6 @@ def rank_measure(
             (e.g. :data:`STEADY_STEP_S`) after its first is steady: that step ends its
             warm-up and counts as timed, and its measurement ends once its last
             :data:`STEADY_STEPS` timed steps all took that long (None: never).
-        learn: timed steps wanted of a set-up whatever its speed (name: steps), so that
-            what is learned from it rests on steady steps: with ``separate``, it is not
-            dropped as clearly slower before it has them, while the steps it still
-            needs would cost at most :data:`LEARN_SHARE` of ``budget_s`` (at its median
-            step so far). Once ``min_rounds`` have run, it does not keep the
-            measurement going.
 
     Returns:
         On every rank: per set-up, the slowest rank's time of each measured step, and
@@ -354,9 +343,8 @@ def rank_measure(
     _sync_parameters(work.model)
     runners = [_build(s, work.model, lr, wrap) for s in parsed]
     slowest: dict[int, list[float]] = {id(r): [] for r in runners}  # the slowest rank's times
-    learning = functools.partial(_learning, learn=learn or {}, budget_s=budget_s)
     active, steady = _warm_up(runners, warmup, work.make_batch, work.loss_fn, separate, slowest,
-                              predicted or {}, steady_s, learning)
+                              predicted or {}, steady_s)
     before = {id(r): _totals(r) for r in runners}
     floor_rounds = rounds if min_rounds is None else max(1, min(min_rounds, rounds))
     started = time.perf_counter()
@@ -387,11 +375,11 @@ def rank_measure(
         if dist.get_rank() == 0:
             now = {r.setup.name: slowest[id(r)] for r in active}
             if done < floor_rounds:  # before the first test, only the clearly slower leave
-                names = set(now) - _clearly_slower(now, separate) | learning(now)
+                names = set(now) - _clearly_slower(now, separate)
             elif budget_s is not None and time.perf_counter() - budget_from >= budget_s:
                 names = set()
             else:
-                names = _contenders(now, separate) | learning(now)
+                names = _contenders(now, separate)
             keep = torch.tensor([int(r.setup.name in names) for r in active], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
         active = [r for r, k in zip(active, keep.tolist()) if k]
@@ -469,8 +457,7 @@ def run_bench(
 def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int], Any],
              loss_fn: Callable[..., Any], separate: Sequence[str] | None,
              slowest: dict[int, list[float]], predicted: dict[str, float],
-             steady_s: float | None, learning: Callable[..., set[str]],
-             ) -> tuple[list[_Runner], set[int]]:
+             steady_s: float | None) -> tuple[list[_Runner], set[int]]:
     """Run ``steps`` untimed steps of every set-up, round-robin; returns those to
     measure, and the ids of those found steady.
 
@@ -483,9 +470,7 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
     second step already shows it 16 times slower (one step is no evidence: a single one
     of plain DDP's on the unshaped link once took 2.5 times its steady time). One the
     model predicted that much slower too leaves after its first step
-    (:func:`_first_step_slower`), that step's time kept as its time; neither leaves
-    while ``learning`` (of the warm-up times so far, none of them timed) names it.
-    With ``steady_s``, a set-up whose
+    (:func:`_first_step_slower`), that step's time kept as its time. With ``steady_s``, a set-up whose
     second or later step took that long is steady: warm, that step's time kept in
     ``slowest`` as its first timed one."""
     warming = list(runners)
@@ -514,8 +499,6 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
             else:  # two steady steps at least: one spike (2.5x, seen here) is no evidence
                 steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
                 slower = {n for n in _clearly_slower(steady, separate) if len(steady[n]) >= 2}
-            slower -= learning({r.setup.name: slowest[id(r)] or [now[r.setup.name]]
-                                for r in warming}, timed=False)
             keep = torch.tensor([int(r.setup.name not in slower) for r in warming], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
         for runner, k_ in zip(warming, keep.tolist()):
@@ -528,20 +511,6 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
         del slowest[id(runner)][:-1]
     order = {id(r): i for i, r in enumerate(runners)}
     return sorted(ready + warming, key=lambda r: order[id(r)]), {id(r) for r in ready}
-
-
-def _learning(times: dict[str, list[float]], learn: Mapping[str, int],
-              budget_s: float | None, timed: bool = True) -> set[str]:
-    """The set-ups of ``learn`` with fewer timed steps than it wants (``times``' own if
-    ``timed``, else none: warm-up steps), whose missing steps would cost at most
-    :data:`LEARN_SHARE` of ``budget_s`` at the median of ``times``."""
-    out = set()
-    for name, t in times.items():
-        missing = learn.get(name, 0) - (len(t) if timed else 0)
-        if missing > 0 and (budget_s is None or
-                            missing * statistics.median(t or [0.0]) <= LEARN_SHARE * budget_s):
-            out.add(name)
-    return out
 
 
 def _first_step_slower(first: dict[str, float], predicted: dict[str, float],

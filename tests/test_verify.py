@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from autotune import measure
 from autotune.cli import main
 from autotune.policies import load_policy
 from autotune.presets import PRESETS, preset
@@ -90,36 +89,6 @@ def test_a_set_up_the_model_predicts_clearly_slower_leaves_after_its_first_step(
     assert by["slow"]["warmup_only"] and by["slow"]["first_step_only"] and len(by["slow"]["step_s"]) == 1
     assert by["slow"]["step_s"][0] >= 0.3
     assert len(by["fast"]["step_s"]) == 6 and "warmup_only" not in by["ddp"]
-
-
-@pytest.mark.multirank
-def test_a_set_up_to_learn_is_timed_as_asked_where_that_costs_little(run_ranks) -> None:
-    setups = [{"name": "slow", "kind": "ddp"},
-              {"name": "fast", "kind": "policy", "policy": {"version": 1, "default": {"compressor": "fp16"}}},
-              {"name": "ddp", "kind": "ddp"}]
-    kwargs = dict(workload="mlp", setups=setups, rounds=3, block=2, warmup=3, min_rounds=3,
-                  separate=["fast", "ddp"], learn={"slow": 4})
-    # 4 more steps of 0.3 s are within 5% of a 100 s budget: not dropped in warm-up,
-    # timed for two rounds (two steps each), then dropped as clearly slower
-    by = {r["name"]: r for r in run_ranks("test_verify:rank_slow_warm_up", budget_s=100.0,
-                                          **kwargs)[0]["results"]}
-    assert "warmup_only" not in by["slow"] and len(by["slow"]["step_s"]) == 4
-    assert min(by["slow"]["step_s"]) >= 0.3 and len(by["fast"]["step_s"]) == 6
-    # within 5% of a 10 s budget they are not: it leaves in warm-up, as any other
-    by = {r["name"]: r for r in run_ranks("test_verify:rank_slow_warm_up", budget_s=10.0,
-                                          **kwargs)[0]["results"]}
-    assert by["slow"]["warmup_only"]
-
-
-def test_learning_names_a_set_up_missing_steps_that_cost_little() -> None:
-    times = {"a": [0.1, 0.1], "b": [0.1] * 6, "c": [0.1]}
-    learn = {"a": 6, "b": 6}
-    assert measure._learning(times, learn, budget_s=100.0) == {"a"}  # 0.4 s <= 5 s
-    assert measure._learning(times, learn, budget_s=5.0) == set()  # 0.4 s > 0.25 s
-    assert measure._learning(times, learn, budget_s=None) == {"a"}
-    # warm-up steps are not timed: all six are missing, b's too
-    assert measure._learning(times, learn, budget_s=100.0, timed=False) == {"a", "b"}
-    assert measure._learning(times, learn, budget_s=10.0, timed=False) == set()  # 0.6 s > 0.5 s
 
 
 @pytest.mark.multirank

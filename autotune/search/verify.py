@@ -36,7 +36,6 @@ __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "PRUNE_PREDICTED", "candida
 
 # our plain DDP policy: the reference of the model's ratios, never judged on one step
 REFERENCE = "ddp"
-STOCK_MIN_STEPS = 6  # timed steps of a stock set-up before its ratio to ours is learned
 
 
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
@@ -156,13 +155,10 @@ def verify_result(
         source = info.get(info[name].get("equivalent", name), {})
         if source.get("predicted_step_s"):
             predicted[name] = source["predicted_step_s"]
-    # a stock set-up clearly slower than the fastest is still timed long enough for its
-    # ratio to ours to be learned (learned()), where those steps cost little
-    learn = {s["name"]: STOCK_MIN_STEPS for s in setups if info[s["name"]]["kind"] == "stock"}
     measured = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                       kwargs={"workload": workload, "setups": setups, "rounds": max_rounds,
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
-                              "separate": eligible, "predicted": predicted, "learn": learn})[0]
+                              "separate": eligible, "predicted": predicted})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
     # how a set-up dropped in warm-up was timed: in its warm-up steps, or its first alone
     flags = {r["name"]: {f: True for f in ("warmup_only", "first_step_only") if r.get(f)}
@@ -273,6 +269,9 @@ def model_accuracy(report: dict[str, Any], times: dict[str, list[float]] | None 
         out["kendall_tau_baselines_separated"], out["separated_pairs"] = separated_tau(
             {n: r["predicted_step_s"] for n, r in rows.items() if r["kind"] == "baseline"}, times)
     return out
+
+
+STOCK_MIN_STEPS = 6  # timed steps of a stock set-up before its ratio to ours is learned
 
 
 def learned(calibration: Calibration, report: dict[str, Any]) -> Calibration:
