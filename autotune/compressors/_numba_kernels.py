@@ -192,16 +192,17 @@ def int8_encode(x: Any, block: int, table: Any, starts: Any, counts: Any,
 @jit
 def int8_decode(gathered: Any, c_off: int, scales: Any, s_off: int, block: int,
                 out: Any) -> None:
-    """out = sum over ranks of code * scale (per block), in rank order."""
+    """out = sum over ranks of code * scale (per block), in rank order. Block by block,
+    every rank's codes added while the block of out is in cache: out is swept once,
+    not once per rank."""
     n = out.size
-    for w in range(gathered.shape[0]):
-        codes = gathered[w, c_off : c_off + n]
-        sw = scales[w, s_off:]
-        for b in range((n + block - 1) // block):
-            lo = b * block
-            s = sw[b]
-            cb = codes[lo : lo + block]
-            ob = out[lo : lo + block]
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        hi = min(n, lo + block)
+        ob = out[lo:hi]
+        for w in range(gathered.shape[0]):
+            s = scales[w, s_off + b]
+            cb = gathered[w, c_off + lo : c_off + hi]
             if w == 0:
                 for i in range(cb.size):
                     ob[i] = np.float32(cb[i]) * s
