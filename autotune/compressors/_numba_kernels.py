@@ -320,6 +320,28 @@ def kth_largest_abs_bits(bits: Any, k: int) -> tuple[Any, int, int]:
 
 
 @jit
+def topk_sample_threshold(m: Any, add: Any, has_add: bool, starts: Any, run: int, j: int,
+                          sample: Any) -> Any:
+    """The j-th largest |m + add| (fp32) over runs of ``run`` elements from each of
+    ``starts``; ``sample`` (fp32 scratch of ``starts.size * run``) holds the
+    magnitudes. Each run is one cache line read whole, where a gather per element
+    costs an index each."""
+    at = 0
+    for r in range(starts.size):
+        lo = starts[r]
+        if has_add:
+            for i in range(run):
+                sample[at + i] = abs(m[lo + i] + add[lo + i])
+        else:
+            for i in range(run):
+                sample[at + i] = abs(m[lo + i])
+        at += run
+    kth = np.empty(1, dtype=np.int32)
+    kth[0] = kth_largest_abs_bits(sample.view(np.int32), j)[0]
+    return kth.view(np.float32)[0]
+
+
+@jit
 def topk_trim(m: Any, ef: bool, idx: Any, val: Any, out_idx: Any, out_val: Any) -> None:
     """The k = out_idx.size largest |val| of the candidates (idx, val) into (out_idx,
     out_val), in their ascending order; ties at the k-th largest kept first come;

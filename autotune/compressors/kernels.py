@@ -83,7 +83,7 @@ def get() -> Any:
 
     return SimpleNamespace(**{name: getattr(k, name) for name in (
         "sign_encode", "sign_residual", "sign_decode", "int8_encode", "int8_decode",
-        "topk_select", "topk_trim", "topk_decode")})
+        "topk_sample_threshold", "topk_select", "topk_trim", "topk_decode")})
 
 
 def warm() -> float:

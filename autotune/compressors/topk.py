@@ -213,6 +213,11 @@ class TopK(ErrorFeedbackCompressor):
         s = min(n // 8, max(MIN_SAMPLE, int((n * math.sqrt(ratio)) ** (2 / 3))))
         if self._pads(n):
             s = max(s, math.ceil(PAD_HITS / ratio))
+        return self._sample_runs(n, s, device)[1]
+
+    def _sample_runs(self, n: int, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the runs' starts, on the CPU; every sampled position, on ``device``) of
+        :meth:`_sample`'s ``s`` elements."""
         key = (n, str(device))
         cached = self._samples.get(key)
         if cached is None:
@@ -220,7 +225,7 @@ class TopK(ErrorFeedbackCompressor):
             stride = n // runs
             gen = torch.Generator().manual_seed(n)
             starts = torch.arange(runs) * stride + torch.randint(stride - SAMPLE_RUN + 1, (runs,), generator=gen)
-            cached = (starts.unsqueeze(1) + torch.arange(SAMPLE_RUN)).view(-1).to(device)
+            cached = (starts, (starts.unsqueeze(1) + torch.arange(SAMPLE_RUN)).view(-1).to(device))
             self._samples[key] = cached
         return cached
 
@@ -235,18 +240,24 @@ class TopK(ErrorFeedbackCompressor):
         n = m.numel()
         k = into[1].numel()
         pos = self._sample(n, m.device)
-        sample = m.index_select(0, pos)
-        if add is not None:
-            sample.add_(add.index_select(0, pos))
-        sample.abs_()
-        s = sample.numel()
+        s = pos.numel()
         hits = k * s / n
         pads = self._pads(n)
         if pads:
             j = max(1, math.floor(hits - PAD_SIGMAS * math.sqrt(hits)))
         else:
             j = min(s, math.ceil(hits + MARGIN_SIGMAS * math.sqrt(hits)) + 1)
-        thr = float(sample.topk(j, sorted=False).values.min())
+        if kernels.use_for(m):  # the same magnitudes and j-th largest, without index_select
+            m_np = kernels.array(m)
+            thr = float(kernels.get().topk_sample_threshold(
+                m_np, kernels.addend(add, m_np), add is not None,
+                kernels.array(self._sample_runs(n, s, m.device)[0]), SAMPLE_RUN, j,
+                self._sample_scratch(s)))
+        else:
+            sample = m.index_select(0, pos)
+            if add is not None:
+                sample.add_(add.index_select(0, pos))
+            thr = float(sample.abs_().topk(j, sorted=False).values.min())
         strict = thr == 0.0  # never pick zeros: a mostly-zero gradient sends its non-zeros
         if kernels.use_for(m):
             # padding: the candidates go straight into the payload; else room for twice
@@ -329,6 +340,13 @@ class TopK(ErrorFeedbackCompressor):
             idx, val = idx.clone(), val.clone()
         kern.topk_trim(m_np, ef, kernels.array(idx), kernels.array(val),
                        kernels.array(into[1]), kernels.array(into[0]))
+
+    def _sample_scratch(self, size: int) -> np.ndarray:
+        """An fp32 buffer of ``size`` for the sample's magnitudes, kept between reductions."""
+        have = self._scratch.get("sample")
+        if have is None or have.numel() < size:
+            have = self._scratch["sample"] = torch.empty(size, dtype=torch.float32)
+        return kernels.array(have[:size])
 
     def _candidates(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Index (int32, as the payload's) and value (fp32) buffers of ``size`` for the
