@@ -45,8 +45,8 @@ gradient, and the sent entries are zeroed in it, so no full-size temporary is ma
 Indices stay in ascending order, so that decoding sweeps the output forwards.
 
 On a CPU, step 2 is one compiled loop over the tensor that writes the candidates straight
-into the payload when they are expected to fit, and step 3 (a radix selection of the
-k-th largest magnitude, no sort) and the decoding are compiled too
+into the payload when they are expected to fit, and step 1's sample, step 3 (a radix
+selection of the k-th largest magnitude, no sort) and the decoding are compiled too
 (:mod:`autotune.compressors.kernels`): the same selection, without ``nonzero``'s cost per
 element. The compiled decoder writes every element of the output, so there the
 selection pass leaves the output alone instead of zeroing it.
