@@ -102,9 +102,9 @@ class TopK(ErrorFeedbackCompressor):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # derived, not state: sample positions per (numel, device), and the selection
-        # pass's scratch buffer per device; both rebuilt identically after a restore
-        self._samples: dict[tuple[int, str], torch.Tensor] = {}
+        # derived, not state: sample runs and positions per (numel, device), and scratch
+        # buffers per role and device (:meth:`_buffer`); rebuilt identically after a restore
+        self._samples: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._scratch: dict[str, torch.Tensor] = {}
 
     def k(self, n: int) -> int:
@@ -203,24 +203,24 @@ class TopK(ErrorFeedbackCompressor):
         return ratio * self.k(n) >= PAD_WORTH and PAD_HITS / ratio <= n / 8
 
     def _sample(self, n: int, device: torch.device) -> torch.Tensor:
-        """Fixed sample positions for tensors of ``n`` elements: runs of
+        """Fixed sample positions for tensors of ``n`` elements, on ``device``: runs of
         :data:`SAMPLE_RUN` consecutive elements (a cache line of fp32: scattered single
         elements cost a cache miss each), one run at a random place in each stratum.
 
         Its size balances its own cost against trimming's: a larger sample gives a
         tighter threshold, so fewer surplus candidates to drop."""
-        ratio = self.config["ratio"]
-        s = min(n // 8, max(MIN_SAMPLE, int((n * math.sqrt(ratio)) ** (2 / 3))))
-        if self._pads(n):
-            s = max(s, math.ceil(PAD_HITS / ratio))
-        return self._sample_runs(n, s, device)[1]
+        return self._sample_runs(n, device)[1]
 
-    def _sample_runs(self, n: int, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_runs(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the runs' starts, on the CPU; every sampled position, on ``device``) of
-        :meth:`_sample`'s ``s`` elements."""
+        :meth:`_sample`."""
         key = (n, str(device))
         cached = self._samples.get(key)
         if cached is None:
+            ratio = self.config["ratio"]
+            s = min(n // 8, max(MIN_SAMPLE, int((n * math.sqrt(ratio)) ** (2 / 3))))
+            if self._pads(n):
+                s = max(s, math.ceil(PAD_HITS / ratio))
             runs = max(1, s // SAMPLE_RUN)
             stride = n // runs
             gen = torch.Generator().manual_seed(n)
@@ -239,7 +239,7 @@ class TopK(ErrorFeedbackCompressor):
         once each chunk of it is consumed."""
         n = m.numel()
         k = into[1].numel()
-        pos = self._sample(n, m.device)
+        starts, pos = self._sample_runs(n, m.device)
         s = pos.numel()
         hits = k * s / n
         pads = self._pads(n)
@@ -247,19 +247,19 @@ class TopK(ErrorFeedbackCompressor):
             j = max(1, math.floor(hits - PAD_SIGMAS * math.sqrt(hits)))
         else:
             j = min(s, math.ceil(hits + MARGIN_SIGMAS * math.sqrt(hits)) + 1)
-        if kernels.use_for(m):  # the same magnitudes and j-th largest, without index_select
+        fused = kernels.use_for(m)
+        if fused:  # the same magnitudes and j-th largest, without index_select
             m_np = kernels.array(m)
             thr = float(kernels.get().topk_sample_threshold(
-                m_np, kernels.addend(add, m_np), add is not None,
-                kernels.array(self._sample_runs(n, s, m.device)[0]), SAMPLE_RUN, j,
-                self._sample_scratch(s)))
+                m_np, kernels.addend(add, m_np), add is not None, kernels.array(starts),
+                SAMPLE_RUN, j, kernels.array(self._buffer("sample", s))))
         else:
             sample = m.index_select(0, pos)
             if add is not None:
                 sample.add_(add.index_select(0, pos))
             thr = float(sample.abs_().topk(j, sorted=False).values.min())
         strict = thr == 0.0  # never pick zeros: a mostly-zero gradient sends its non-zeros
-        if kernels.use_for(m):
+        if fused:
             # padding: the candidates go straight into the payload; else room for twice
             # those the sample expects (j of its s elements)
             self._select_fused(m, add, ef, thr, strict, pads, 2 * math.ceil(j * n / s), into)
@@ -269,9 +269,7 @@ class TopK(ErrorFeedbackCompressor):
         group = 1
         while group < MAX_GROUP and 2 * group * j <= s / 8:
             group *= 2
-        scratch = self._scratch.get(str(m.device))
-        if scratch is None:
-            scratch = self._scratch[str(m.device)] = torch.empty(CHUNK, dtype=torch.float32, device=m.device)
+        scratch = self._buffer("chunk", CHUNK, m.device)
         found, taken = [], []
         for start in range(0, n, CHUNK):
             chunk = m[start : start + CHUNK]
@@ -341,21 +339,20 @@ class TopK(ErrorFeedbackCompressor):
         kern.topk_trim(m_np, ef, kernels.array(idx), kernels.array(val),
                        kernels.array(into[1]), kernels.array(into[0]))
 
-    def _sample_scratch(self, size: int) -> np.ndarray:
-        """An fp32 buffer of ``size`` for the sample's magnitudes, kept between reductions."""
-        have = self._scratch.get("sample")
-        if have is None or have.numel() < size:
-            have = self._scratch["sample"] = torch.empty(size, dtype=torch.float32)
-        return kernels.array(have[:size])
-
     def _candidates(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Index (int32, as the payload's) and value (fp32) buffers of ``size`` for the
-        selection's candidates, kept between reductions (a fresh one of MBs page-faults
-        again every step); what is found in them is taken before the next tensor."""
-        have = self._scratch.get("candidates")
-        if have is None or have.numel() < 2 * size:
-            have = self._scratch["candidates"] = torch.empty(2 * size, dtype=torch.float32)
-        return have[:size].view(torch.int32), have[size : 2 * size]
+        selection's candidates; what is found in them is taken before the next tensor."""
+        have = self._buffer("candidates", 2 * size)
+        return have[:size].view(torch.int32), have[size:]
+
+    def _buffer(self, role: str, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``size`` fp32 elements on ``device`` for ``role``, kept between reductions (a
+        fresh buffer of MBs page-faults again every step)."""
+        key = f"{role}@{device}"
+        have = self._scratch.get(key)
+        if have is None or have.numel() < size:
+            have = self._scratch[key] = torch.empty(size, dtype=torch.float32, device=device)
+        return have[:size]
 
 
 def _put(into: tuple[torch.Tensor, torch.Tensor],
