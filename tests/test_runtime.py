@@ -77,14 +77,17 @@ def _param_digest(model: nn.Module) -> str:
 
 # --------------------------------------------------------------------------- ranks
 def rank_grads_vs_ddp(compressor: str, steps: int = 4, accumulate: bool = False,
-                      native: bool | None = None) -> list[dict]:
+                      native: bool | None = None, views: bool | None = None) -> list[dict]:
     """Per step: do the gradients match plain DDP's within rtol 1e-5, the largest
-    absolute difference, and the relative error over the whole model."""
+    absolute difference, the relative error over the whole model, and how many distinct
+    storages our gradients live in (views into the buckets: one per bucket)."""
     torch.manual_seed(0)
     ref_model = Net()
     model = copy.deepcopy(ref_model)
     ref = DDP(ref_model, bucket_cap_mb=0.05)
     options = {} if native is None else {"native": native}
+    if views is not None:
+        options["gradient_as_bucket_view"] = views
     ours = autotune.wrap(model, Policy.uniform(compressor, bucket_cap_mb=0.05), **options)
     errors = []
     for step in range(steps):
@@ -104,6 +107,8 @@ def rank_grads_vs_ddp(compressor: str, steps: int = 4, accumulate: bool = False,
             "max_abs": float((a - b).abs().max()),
             "max_ref": float(a.abs().max()),
             "rel": float((a - b).norm() / a.norm()),
+            "storages": len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}),
+            "params": len(list(model.parameters())),
         })
         ref_model.zero_grad()
         model.zero_grad()
@@ -235,11 +240,17 @@ def rank_unknown_parameter() -> str:
 
 
 # --------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("native", [None, False])
-def test_policy_none_gives_plain_ddp_gradients(run_ranks, native: bool | None) -> None:
-    """By default (native) and through the hook's direct path."""
-    for steps in run_ranks("test_runtime:rank_grads_vs_ddp", compressor="none", native=native):
+@pytest.mark.parametrize(("native", "views"), [(None, None), (False, None), (False, False)])
+def test_policy_none_gives_plain_ddp_gradients(run_ranks, native: bool | None,
+                                               views: bool | None) -> None:
+    """By default (native) and through the hook's direct path; with the gradients as
+    views into DDP's buckets (wrap's default: fewer storages than parameters) or, when
+    asked, each in its own storage as under DDP's default."""
+    for steps in run_ranks("test_runtime:rank_grads_vs_ddp", compressor="none", native=native,
+                           views=views):
         assert all(s["close"] for s in steps), steps
+        shared = [s["storages"] < s["params"] for s in steps]
+        assert shared == [views is None] * len(steps), steps
 
 
 def rank_native_plain_policy() -> dict[str, Any]:

@@ -51,10 +51,13 @@ class AutotuneDDP(DistributedDataParallel):
         guard: agree before compressing each bucket whether a rank has a non-finite
             gradient in it or has joined, and average it by plain allreduce then (see
             :class:`~autotune.runtime.hook.AutotuneState`).
-        native: register no hook: DDP reduces with its own C++ allreduce, exactly as an
+        native: register no hook: DDP reduces with its own C++ allreduce, as an
             unwrapped DDP (only for a plain policy, :attr:`Policy.is_plain`; the policy
             cannot change then, and ``comm_state`` records no buckets).
         **ddp_kwargs: any other ``DistributedDataParallel`` argument.
+            ``gradient_as_bucket_view`` defaults to True here (DDP's own default is
+            False): each ``.grad`` is a view into its bucket, so the reduced bucket is
+            the gradient and nothing is copied back each step. False: DDP's default.
     """
 
     def __init__(
@@ -71,6 +74,11 @@ class AutotuneDDP(DistributedDataParallel):
         if native and not policy.is_plain:
             raise PolicyError("native=True runs DDP's own allreduce, which only plain averaging "
                               "(compressor none everywhere, flat) is; this policy compresses")
+        # Gradients as views into DDP's buckets unless the caller says otherwise: a hook's
+        # result then is the gradient, where DDP's default copies every gradient into its
+        # bucket and back each step (and without a hook DDP divides while copying in, a
+        # pass a hook makes separately: the extra copy is what a hook cost beside it).
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         # at DDP's default cap, DDP's default buckets (a 1 MiB first bucket): exactly DDP(model)
         super().__init__(module, bucket_cap_mb=policy.ddp_bucket_cap_mb, **ddp_kwargs)
         self.comm_state = AutotuneState(
@@ -286,7 +294,8 @@ def wrap(
     (``autotune.wrap`` adds it: :func:`autotune.online.wrap`).
 
     A plain policy (:attr:`Policy.is_plain`, e.g. None) runs natively by default: no hook,
-    DDP's own C++ allreduce, the same speed as an unwrapped DDP. Pass ``native=False`` to
+    DDP's own C++ allreduce, an unwrapped DDP's speed or better (each gradient a view
+    into its bucket, unless ``gradient_as_bucket_view=False``). Pass ``native=False`` to
     run it through autotune's hook anyway (its per-bucket breakdown in ``comm_state``).
 
     Args:
