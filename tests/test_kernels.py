@@ -107,6 +107,28 @@ def test_sign_kernels_match_torch_but_for_the_scales_last_bits(
 
 
 @pytest.mark.usefixtures("needs_numba")
+def test_sign_defers_its_residual_pass_and_anything_reading_it_sees_it_settled() -> None:
+    """The kernel path leaves the residual M - scale * sign(M) to the next step's first
+    loop; a twin whose residual is read after every step (which settles it) must give the
+    same outputs and residual bit for bit, and release/state_dict must hand out the
+    settled residual."""
+    gen = torch.Generator().manual_seed(3)
+    deferring, settled = compressors.create("sign"), compressors.create("sign")
+    for step in range(4):
+        g = torch.randn(N, generator=gen) * torch.rand(N, generator=gen) ** 3
+        a, b = g.clone(), g.clone()
+        deferring.reduce([a], ["p"], LocalComm(2))
+        settled.reduce([b], ["p"], LocalComm(2))
+        assert len(deferring.memory._deferred) == 1  # the pass is owed, not made
+        truth = settled.memory.residuals["p"].clone()  # reading settles it
+        assert not settled.memory._deferred
+        assert torch.equal(a, b), step
+    assert torch.equal(deferring.state_dict()["memory"]["p"], truth)
+    assert torch.equal(deferring.release("p").view(-1), truth.view(-1))
+    assert not deferring.memory._deferred and deferring.release("p") is None
+
+
+@pytest.mark.usefixtures("needs_numba")
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_int8_kernels_draw_the_same_codes_as_torch(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # the same noise and scales: codes differ only where a level lands within a rounding

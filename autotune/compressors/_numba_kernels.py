@@ -43,11 +43,23 @@ jit = _compiler()
 jit_sum = _compiler(fastmath={"reassoc"})
 
 
+@jit  # no fastmath: (m - s) + a in this order, the settled residual plus the gradient
+def settled_plus(m: Any, scale: Any, a: Any) -> Any:
+    """Sign's residual ``m - scale * sign(m)`` (rounded to fp32, as stored) plus ``a``."""
+    return np.float32(m - math.copysign(scale, m)) + a
+
+
 @jit_sum
-def add_abs_sum(m: Any, add: Any, has_add: bool) -> float:
-    """m += add (if has_add); returns sum |m| in float64."""
+def add_abs_sum(m: Any, add: Any, has_add: bool, settle: Any, has_settle: bool) -> float:
+    """m += add (if has_add), m first settled into sign's residual ``m - settle *
+    sign(m)`` if has_settle (which needs has_add); returns sum |m| in float64."""
     total = 0.0
-    if has_add:
+    if has_settle:
+        for i in range(m.size):
+            v = settled_plus(m[i], settle, add[i])
+            m[i] = v
+            total += abs(v)
+    elif has_add:
         for i in range(m.size):
             v = m[i] + add[i]
             m[i] = v
@@ -79,16 +91,18 @@ def pack_sign_bits(bits: Any, packed: Any, spread: Any) -> None:
 
 
 @jit
-def sign_encode(m: Any, add: Any, has_add: bool, packed: Any) -> float:
-    """m += add (if has_add); packed = m's sign bits; returns sum |m| (float64).
-    Chunk by chunk, each in cache for both steps."""
+def sign_encode(m: Any, add: Any, has_add: bool, settle: Any, has_settle: bool, packed: Any) -> float:
+    """m += add (if has_add), m first settled as last step's residual (if has_settle:
+    ``m - settle * sign(m)``, the pass :func:`sign_residual` would have made); packed =
+    m's sign bits; returns sum |m| (float64). Chunk by chunk, each in cache for both
+    steps."""
     n = m.size
     bits = m.view(np.int32)
     spread = np.empty(CHUNK, dtype=np.uint8)
     total = 0.0
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
-        total += add_abs_sum(m[lo:hi], add[lo:hi] if has_add else add, has_add)
+        total += add_abs_sum(m[lo:hi], add[lo:hi] if has_add else add, has_add, settle, has_settle)
         pack_sign_bits(bits[lo:hi], packed[lo // 8 : (hi + 7) // 8], spread)
     return total
 

@@ -275,7 +275,7 @@ class ErrorFeedbackCompressor(Compressor):
         m = self.memory.flat_residual(name, grad)
         if m is None:  # first step: the residual starts as the gradient
             m = grad.to(torch.float32, copy=True)
-            self.memory.residuals[name] = m
+            self.memory.store(name, m)
             return m, None
         return m, grad
 

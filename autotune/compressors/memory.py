@@ -8,11 +8,18 @@ On the training path, large tensors are better served by ``compensate_into``, wh
 works in the residual's own buffer: a fresh buffer of tens of MB costs more than the arithmetic
 on it (the allocator returns it to the OS and every page faults again on the next step),
 so the residual is kept in one buffer per parameter, rewritten in place each step.
+
+A compressor may leave a residual's last step undone (:meth:`ErrorFeedback.defer`): sign
+compression's residual is ``M - scale * sign(M)``, a pass over the whole tensor that its
+next encoding can make in the same loop as it adds the next gradient in. Everything that
+reads a residual here (compensating, releasing, checkpointing, ``residuals``) settles it
+first, so only the compressor that deferred it, taking the step back with
+:meth:`ErrorFeedback.take_deferred`, ever sees it unsettled.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -26,13 +33,43 @@ class ErrorFeedback:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.residuals: dict[str, torch.Tensor] = {}
+        self._residuals: dict[str, torch.Tensor] = {}
+        # name -> what makes its stored tensor the residual, in place (see defer)
+        self._deferred: dict[str, Callable[[torch.Tensor], None]] = {}
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The residuals by parameter name, every deferred step settled."""
+        for name in list(self._deferred):
+            self._settle(name)
+        return self._residuals
+
+    def store(self, name: str, residual: torch.Tensor) -> None:
+        """Keep ``residual`` as ``name``'s (replacing any, and any step deferred on it)."""
+        self._deferred.pop(name, None)
+        self._residuals[name] = residual
+
+    def defer(self, name: str, settle: Callable[[torch.Tensor], None]) -> None:
+        """``name``'s stored tensor becomes its residual once ``settle(stored)`` has
+        rewritten it in place; until then anything that reads it here settles it first."""
+        self._deferred[name] = settle
+
+    def take_deferred(self, name: str) -> Callable[[torch.Tensor], None] | None:
+        """The step deferred on ``name``'s residual, now the caller's to make (None if
+        none): its stored tensor stays unsettled."""
+        return self._deferred.pop(name, None)
+
+    def _settle(self, name: str) -> None:
+        settle = self._deferred.pop(name, None)
+        if settle is not None and name in self._residuals:
+            settle(self._residuals[name])
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` + this name's residual, as a new fp32 tensor (grad is untouched)."""
         out = grad.detach().to(torch.float32, copy=True)
         if self.enabled:
-            residual = self.residuals.get(name)
+            self._settle(name)
+            residual = self._residuals.get(name)
             # compressors may store the residual flat or as a matrix: match by size
             if residual is not None and residual.numel() == out.numel():
                 out += residual.to(out.device).view_as(out)
@@ -48,7 +85,8 @@ class ErrorFeedback:
         lays its buckets out differently, e.g. right after a restart."""
         if not self.enabled:
             return None
-        residual = self.residuals.get(name)
+        self._settle(name)
+        residual = self._residuals.get(name)
         if residual is not None and residual.numel() == grad.numel() \
                 and residual.dtype == torch.float32 and residual.is_contiguous():
             residual = residual.to(grad.device).view(grad.shape)
@@ -56,35 +94,38 @@ class ErrorFeedback:
         else:
             residual = grad.detach().to(torch.float32, memory_format=torch.contiguous_format,
                                         copy=True)
-        self.residuals[name] = residual
+        self._residuals[name] = residual
         return residual
 
     def flat_residual(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
         """``name``'s residual as a flat, contiguous fp32 tensor on ``grad``'s device
         (stored back in that form, so that the caller can rewrite it in place), or None
         if it has none of ``grad``'s size."""
-        residual = self.residuals.get(name)
+        self._settle(name)
+        residual = self._residuals.get(name)
         if residual is None or residual.numel() != grad.numel():
             return None
         if residual.dtype != torch.float32 or residual.device != grad.device or not residual.is_contiguous():
             residual = residual.to(grad.device, torch.float32).contiguous()
         residual = residual.view(-1)
-        self.residuals[name] = residual
+        self._residuals[name] = residual
         return residual
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Remember what this rank's compression dropped."""
         if self.enabled:
-            self.residuals[name] = compensated - decoded
+            self.store(name, compensated - decoded)
 
     def pop(self, name: str) -> torch.Tensor | None:
         """Remove and return ``name``'s residual (None if it has none)."""
-        return self.residuals.pop(name, None)
+        self._settle(name)
+        return self._residuals.pop(name, None)
 
     def clear(self) -> int:
         """Forget every residual; returns how many there were."""
-        count = len(self.residuals)
-        self.residuals = {}
+        count = len(self._residuals)
+        self._residuals = {}
+        self._deferred = {}
         return count
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -94,4 +135,5 @@ class ErrorFeedback:
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 raise CompressorError(f"error-feedback memory of {key!r} must be a tensor")
-        self.residuals = {k: v.detach().clone() for k, v in state.items()}
+        self._residuals = {k: v.detach().clone() for k, v in state.items()}
+        self._deferred = {}

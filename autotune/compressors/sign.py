@@ -12,14 +12,18 @@ first adds the gradient into the residual in place, sums ``|M|`` and packs the s
 bits with integer operations (8 sign bits gathered into a byte by one 64-bit multiply);
 the second, once the scale is known, leaves the residual ``M - scale * sign(M)`` in
 place. Decoding looks each byte up in a 256 x 8 table of ``+-scale / W`` per rank.
-On a CPU the same two passes and the decoding each run as one compiled loop
-(:mod:`autotune.compressors.kernels`).
+On a CPU the first pass and the decoding each run as one compiled loop
+(:mod:`autotune.compressors.kernels`), and the second is deferred
+(:meth:`~autotune.compressors.memory.ErrorFeedback.defer`): the next step's first loop
+settles each element of the residual just before it adds the gradient in, one sweep of
+the memory where two were (anything else that reads the residual settles it first).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 
 from autotune.compressors import kernels
@@ -148,9 +152,15 @@ class Sign(ErrorFeedbackCompressor):
         grad = t.detach().reshape(-1)
         n = grad.numel()
         ef = self.memory.enabled
+        # last step's residual pass, if deferred: ours to fuse into this step's first
+        owed = self.memory.take_deferred(name)
         m, add = self._compensated_flat(name, grad)
-        if kernels.use_for(m):
-            return self._encode_fused(m, add, packed)
+        if add is None:  # no residual of this size (a first step): nothing is owed on it
+            owed = None
+        if kernels.use_for(m) and (owed is None or isinstance(owed, _Settle)):
+            return self._encode_fused(name, m, add, owed, packed)
+        if owed is not None:
+            owed(m)
         scratch = self._scratch.get(str(m.device))
         if scratch is None:
             scratch = (torch.empty(CHUNK, dtype=torch.int32, device=m.device),
@@ -175,12 +185,32 @@ class Sign(ErrorFeedbackCompressor):
                 chunk.sub_(bits.view(torch.float32))
         return scale
 
-    def _encode_fused(self, m: torch.Tensor, add: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
-        """:meth:`_encode`'s two passes as compiled loops (a CPU tensor)."""
-        k = kernels.get()
+    def _encode_fused(self, name: str, m: torch.Tensor, add: torch.Tensor | None,
+                      owed: _Settle | None, packed: torch.Tensor) -> torch.Tensor:
+        """:meth:`_encode`'s first pass as a compiled loop (a CPU tensor), settling the
+        residual ``owed`` from last step on the way; its second, the residual, deferred
+        to the next step's."""
         m_np = kernels.array(m)
-        total = k.sign_encode(m_np, kernels.addend(add, m_np), add is not None, kernels.array(packed))
+        settle = owed.scale if owed is not None else np.float32(0.0)
+        total = kernels.get().sign_encode(m_np, kernels.addend(add, m_np), add is not None,
+                                          settle, owed is not None, kernels.array(packed))
         scale = torch.tensor(total / max(m.numel(), 1), dtype=torch.float32)
         if self.memory.enabled:
-            k.sign_residual(m_np, scale.numpy()[()])
+            self.memory.defer(name, _Settle(scale.numpy()[()]))
         return scale
+
+
+class _Settle:
+    """A sign residual's deferred pass: ``M - scale * sign(M)`` in place, M's sign bit
+    taken as its sign (the step :meth:`Sign._encode` makes right away off the CPU)."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self, scale: np.float32) -> None:
+        self.scale = scale
+
+    def __call__(self, m: torch.Tensor) -> None:
+        if kernels.use_for(m) and m.is_contiguous():
+            kernels.get().sign_residual(kernels.array(m.view(-1)), self.scale)
+        else:
+            m.sub_(torch.copysign(torch.tensor(float(self.scale), device=m.device), m))
