@@ -76,6 +76,9 @@ class Setup:
     online: dict[str, Any] | None = None
     # For kind "policy": wrap's native (None: its default, native for a plain policy)
     native: bool | None = None
+    # DDP's gradient_as_bucket_view (None: the default of what builds the set-up: DDP's
+    # False for "ddp" and "hook", wrap's True for "policy")
+    bucket_view: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -177,7 +180,7 @@ def _stock_hook(
         caps = {"bucket_cap_mb": one_bucket_cap_mb(module)}
         note = ("stock powerSGD_hook run with one bucket: on gloo it deadlocks or aborts with "
                 "two or more")
-    model = DistributedDataParallel(module, init_sync=False, **caps)
+    model = DistributedDataParallel(module, init_sync=False, **caps, **_views(setup))
     if setup.hook == "allreduce":
         state, hook = None, default_hooks.allreduce_hook
     elif setup.hook == "fp16":
@@ -200,6 +203,11 @@ def _stock_hook(
     return model, note, timer, state
 
 
+def _views(setup: Setup) -> dict[str, bool]:
+    """DDP's ``gradient_as_bucket_view`` where the set-up sets it."""
+    return {} if setup.bucket_view is None else {"gradient_as_bucket_view": setup.bucket_view}
+
+
 def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) -> _Runner:
     module = copy.deepcopy(base)
     note = ""
@@ -209,7 +217,7 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
         caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
-        model = DistributedDataParallel(module, init_sync=False, **caps)
+        model = DistributedDataParallel(module, init_sync=False, **caps, **_views(setup))
     elif setup.kind == "hook":
         model, note, timer, state = _stock_hook(setup, module)
     else:
@@ -221,6 +229,7 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
         options["init_sync"] = False
         if setup.native is not None:
             options["native"] = setup.native
+        options.update(_views(setup))
         model = (wrap or runtime_wrap)(module, policy, **options)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     return _Runner(setup, model, module, optimizer, note=note, timer=timer, powersgd=state)

@@ -20,12 +20,17 @@ lies on one side of 1, else ``tie``. Also
 records, per configuration, where rank 0's communication time goes (autotune's
 per-bucket breakdown; PyTorch's hooks: in the hook / after it).
 
+Ours runs as ``autotune.wrap`` builds it, with each gradient a view into its bucket
+(``gradient_as_bucket_view=True``); the stock side as users build it, with DDP's default
+(False), which copies every gradient into its bucket and back each step. ``--views``
+builds the stock side with bucket views too: the same methods on the same DDP.
+
 Links: ``unshaped`` (2 local ranks on loopback) and rates such as ``1gbit`` (2 emulated
 hosts, one rank each, tc-shaped NICs; needs root). Writes JSON (default
 bench/results/vs_stock.json) and prints a table.
 
     python bench/vs_stock.py [--workloads cnn,transformer,dlrm] [--links unshaped,1gbit,100mbit]
-                             [--rounds 8] [--block 2]
+                             [--rounds 8] [--block 2] [--views]
     python bench/vs_stock.py --show bench/results/vs_stock.json   # a saved run's tables
 """
 
@@ -65,8 +70,9 @@ PAIRS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 ONE_BUCKET = ("powersgd1", "powersgd4")
 
 
-def _setups(workload: str) -> list[dict[str, Any]]:
+def _setups(workload: str, views: bool = False) -> list[dict[str, Any]]:
     model = resolve_workload(workload).model
+    stock_views = {"bucket_view": True} if views else {}
     whole_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1.0
     setups = []
     for pair, (spec, stock) in PAIRS.items():
@@ -74,7 +80,7 @@ def _setups(workload: str) -> list[dict[str, Any]]:
         policy = {"version": 1, "bucket_cap_mb": cap, "default": spec}
         # through our hook even for none (a plain policy otherwise runs natively, as DDP)
         setups.append({"name": f"ours:{pair}", "kind": "policy", "policy": policy, "native": False})
-        setups.append({"name": f"stock:{pair}", **stock, "bucket_cap_mb": cap})
+        setups.append({"name": f"stock:{pair}", **stock, "bucket_cap_mb": cap, **stock_views})
     return setups
 
 
@@ -114,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="interleaved blocks per configuration")
     parser.add_argument("--block", type=int, default=2, help="consecutive steps per block")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--views", action="store_true",
+                        help="build the stock side's DDP with gradient_as_bucket_view=True too, as "
+                             "wrap builds ours by default (default: DDP's own default, False)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/vs_stock.json"))
     parser.add_argument("--show", type=Path, metavar="JSON", help="print a saved run's tables")
     args = parser.parse_args(argv)
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             for workload in args.workloads.split(","):
                 t0 = time.perf_counter()
                 measured = launch("autotune.measure:rank_measure", placement=where, timeout=7200,
-                                  kwargs={"workload": workload, "setups": _setups(workload),
+                                  kwargs={"workload": workload, "setups": _setups(workload, args.views),
                                           "rounds": args.rounds, "block": args.block,
                                           "warmup": args.warmup})[0]
                 by_name = {r["name"]: r for r in measured["results"]}

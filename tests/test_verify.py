@@ -205,6 +205,36 @@ def test_a_stock_powersgd_set_up_compresses_from_its_second_step(run_ranks) -> N
     assert sent[0] == 0 and 0 < sent[1] < sent[2]
 
 
+def rank_bucket_views() -> dict[str, bool]:
+    """Per set-up, whether the DDP measuring builds for it has its gradients as views
+    into the buckets."""
+    from autotune import measure
+    from autotune.workloads import resolve_workload
+
+    work = resolve_workload("mlp")
+    policy = {"version": 1, "default": {"compressor": "fp16"}}
+    out = {}
+    for name, setup in {
+        "ddp": {"kind": "ddp"}, "ddp+views": {"kind": "ddp", "bucket_view": True},
+        "hook": {"kind": "hook", "hook": "fp16"},
+        "hook+views": {"kind": "hook", "hook": "fp16", "bucket_view": True},
+        "policy": {"kind": "policy", "policy": policy},
+        "policy-views": {"kind": "policy", "policy": policy, "bucket_view": False},
+    }.items():
+        runner = measure._build(measure.Setup.from_dict({"name": name, **setup}), work.model, 0.01, None)
+        measure._run_step(runner, work.make_batch, work.loss_fn)
+        out[name] = bool(runner.model.gradient_as_bucket_view)
+    return out
+
+
+@pytest.mark.multirank
+def test_a_set_up_builds_ddp_with_the_bucket_views_it_names(run_ranks) -> None:
+    # DDP's default for plain DDP and the stock hooks, wrap's (views) for our policies
+    for r in run_ranks("test_verify:rank_bucket_views"):
+        assert r == {"ddp": False, "ddp+views": True, "hook": False, "hook+views": True,
+                     "policy": True, "policy-views": False}
+
+
 def test_a_stock_powersgd_set_up_is_judged_in_warm_up_only_after_its_first_compressing_step() -> None:
     from autotune.measure import Setup, _Runner
 
