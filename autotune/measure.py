@@ -174,13 +174,12 @@ def _stock_hook(
     PowerSGD hook's state (None for the others)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
-    note = ""
+    note, cap = "", None
     if setup.hook == "powersgd" and dist.get_backend() == "gloo":
-        caps = {"bucket_cap_mb": one_bucket_cap_mb(module)}
+        cap = one_bucket_cap_mb(module)
         note = ("stock powerSGD_hook run with one bucket: on gloo it deadlocks or aborts with "
                 "two or more")
-    model = DistributedDataParallel(module, init_sync=False, **caps, **_views(setup))
+    model = _ddp(setup, module, cap)
     if setup.hook == "allreduce":
         state, hook = None, default_hooks.allreduce_hook
     elif setup.hook == "fp16":
@@ -208,6 +207,15 @@ def _views(setup: Setup) -> dict[str, bool]:
     return {} if setup.bucket_view is None else {"gradient_as_bucket_view": setup.bucket_view}
 
 
+def _ddp(setup: Setup, module: torch.nn.Module, bucket_cap_mb: float | None = None) -> DistributedDataParallel:
+    """The plain ``DistributedDataParallel`` of a "ddp" or "hook" set-up: its bucket cap
+    (``bucket_cap_mb`` where the hook needs another), its bucket views, and no initial
+    broadcast (:func:`_sync_parameters` made the copies equal)."""
+    cap = setup.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb
+    caps = {} if cap is None else {"bucket_cap_mb": cap}
+    return DistributedDataParallel(module, init_sync=False, **caps, **_views(setup))
+
+
 def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) -> _Runner:
     module = copy.deepcopy(base)
     note = ""
@@ -216,8 +224,7 @@ def _build(setup: Setup, base: torch.nn.Module, lr: float, wrap: Wrap | None) ->
     if setup.kind == "floor":
         model: torch.nn.Module = module  # no communication at all: the compute floor
     elif setup.kind == "ddp":
-        caps = {} if setup.bucket_cap_mb is None else {"bucket_cap_mb": setup.bucket_cap_mb}
-        model = DistributedDataParallel(module, init_sync=False, **caps, **_views(setup))
+        model = _ddp(setup, module)
     elif setup.kind == "hook":
         model, note, timer, state = _stock_hook(setup, module)
     else:
