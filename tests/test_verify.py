@@ -260,6 +260,20 @@ def test_only_a_set_up_slower_in_every_step_than_twice_the_fastest_leaves_before
     assert _clearly_slower({"a": [0.003], "b": [0.001]}, ["a", "b"]) == set()
 
 
+def test_rounds_after_the_first_run_their_set_ups_in_a_seeded_order_of_their_own() -> None:
+    from autotune.measure import round_order
+
+    names = ["ddp", "fp16", "powersgd1", "tuned", "stock:fp16"]
+    assert round_order(names, 0) == names  # the first round as given
+    orders = [round_order(names, k) for k in range(1, 13)]
+    assert all(sorted(o) == sorted(names) for o in orders)  # every set-up, once
+    assert orders == [round_order(names, k) for k in range(1, 13)]  # every rank agrees
+    # no set-up always follows the same one: what a block inherits is spread over all
+    before = {n: {o[o.index(n) - 1] for o in orders if o.index(n)} for n in names}
+    assert all(len(prev) >= 2 for prev in before.values())
+    assert names == ["ddp", "fp16", "powersgd1", "tuned", "stock:fp16"]  # not shuffled in place
+
+
 @pytest.fixture(scope="module")
 def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("verify") / "profile.json"
