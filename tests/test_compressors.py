@@ -277,3 +277,81 @@ def test_a_declared_name_is_taken_only_by_its_own_module() -> None:
 @pytest.mark.parametrize("name", compressors.names())
 def test_a_class_uses_its_declared_parameter_table(name: str) -> None:
     assert dict(compressors.REGISTRY.get(name).params) == dict(compressors.REGISTRY.params(name))
+
+
+def _psgd_state(comp: compressors.Compressor) -> dict[str, torch.Tensor]:
+    state = comp.state_dict()
+    return {**{f"m/{k}": v for k, v in state["memory"].items()},
+            **{f"q/{k}": v for k, v in state["q"].items()}}
+
+
+class _Gate:
+    """A stand-in for the runtime's guard on one bucket (compressors.comm.Gate)."""
+
+    def __init__(self, rides: bool, fallback: bool = False, joined: bool = False) -> None:
+        self.rides, self.fallback, self.joined = rides, fallback, joined
+        self.asked: list[torch.Tensor | None] = []
+
+    def flags(self, bad: torch.Tensor) -> torch.Tensor:
+        return torch.stack([bad.float(), torch.tensor(float(self.joined))])
+
+    def decide(self, summed: torch.Tensor | None) -> bool:
+        self.asked.append(summed)
+        # fallback: another rank's flags said so (LocalComm's ranks are all alike)
+        if summed is None:  # the agreement, waited for: what the ranks' flags said
+            return self.fallback or self.joined
+        return self.fallback or bool(summed.any())
+
+
+@pytest.mark.parametrize("rides", [True, False])
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_powersgd_encodes_before_the_guard_and_leaves_no_trace_where_it_falls_back(
+        error_feedback: bool, rides: bool) -> None:
+    """The runtime's guard settled late (Comm.admit), waited for or riding on P's
+    allreduce: the same results, bit for bit, as without it, and a bucket the ranks
+    agree not to compress leaves the residuals and Qs as they were (the spare is not
+    state) and its gradients unwritten."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"w": (64, 48), "v": (40, 40), "b": (48,)}
+    steps = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(4)]
+    first = compressors.create("powersgd", rank=2, error_feedback=error_feedback)
+    late = compressors.create("powersgd", rank=2, error_feedback=error_feedback)
+    assert late.encodes_before_guard
+    for grads in steps:
+        a = [g.clone() for g in grads.values()]
+        first.reduce(a, list(grads), LocalComm(2))
+        comm = LocalComm(2)
+        comm.gate = gate = _Gate(rides)
+        b = [g.clone() for g in grads.values()]
+        late.reduce(b, list(grads), comm)
+        assert comm.gate is None and len(gate.asked) == 1  # settled once
+        if rides:  # the flags came back summed, with nothing to report
+            assert gate.asked[0] is not None and gate.asked[0].tolist() == [0.0, 0.0]
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert _psgd_state(first).keys() == _psgd_state(late).keys()
+        assert all(torch.equal(v, _psgd_state(late)[n]) for n, v in _psgd_state(first).items())
+
+    before = {n: v.clone() for n, v in _psgd_state(late).items()}
+    grads = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    cases = [dict(fallback=True), dict(joined=True)]
+    if rides:  # a non-finite value anywhere in the bucket is found in what P carries
+        for name in shapes:
+            bad = {n: g.clone() for n, g in grads.items()}
+            bad[name].view(-1)[5] = float("nan") if name != "v" else float("inf")
+            cases.append(dict(grads=bad))
+    for case in cases:
+        given = case.pop("grads", grads)
+        tensors = [g.clone() for g in given.values()]
+        comm = LocalComm(2)
+        comm.gate = _Gate(rides, **case)
+        with pytest.raises(compressors.comm.GuardFallback):
+            late.reduce(tensors, list(given), comm)
+        assert all(torch.allclose(t, g, rtol=0, atol=0, equal_nan=True)  # unwritten
+                   for t, g in zip(tensors, given.values()))
+        after = _psgd_state(late)
+        assert after.keys() == before.keys() and all(torch.equal(after[n], v) for n, v in before.items())
+    # and the next step goes on from the state as it was
+    a, b = [g.clone() for g in grads.values()], [g.clone() for g in grads.values()]
+    first.reduce(a, list(grads), LocalComm(2))
+    late.reduce(b, list(grads), LocalComm(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -43,17 +43,22 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def rank_nonfinite(inject: str, steps: int = 6, guard: bool = True) -> dict[str, Any]:
+def rank_nonfinite(inject: str, steps: int = 6, guard: bool = True,
+                   one_bucket: bool = False) -> dict[str, Any]:
     """Train with a GradScaler; at BAD_STEP rank 1's gradient turns non-finite:
     ``nan``: its loss is NaN (every gradient NaN); ``inf``: one element of
-    ``fc2.weight``'s gradient (PowerSGD, with error feedback and a warm-start Q) is Inf."""
+    ``fc2.weight``'s gradient (PowerSGD, with error feedback and a warm-start Q) is Inf.
+    ``one_bucket``: PowerSGD on every parameter, in one bucket, where the guard's flags
+    ride on PowerSGD's allreduce (no agreement of their own)."""
     rank = dist.get_rank()
     capture = WarningCapture()
     logging.getLogger("autotune.runtime.hook").addHandler(capture)
     torch.manual_seed(0)
     model = SmallNet()
     ref_model = copy.deepcopy(model)
-    ours = autotune.wrap(model, mixed_policy(model), guard=guard)
+    policy = mixed_policy(model) if not one_bucket else autotune.Policy.from_dict(
+        {"version": 1, "bucket_cap_mb": 100.0, "default": {"compressor": "powersgd", "rank": 2}})
+    ours = autotune.wrap(model, policy, guard=guard)
     ref = DDP(ref_model, bucket_cap_mb=CAP_MB)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -104,6 +109,8 @@ def rank_nonfinite(inject: str, steps: int = 6, guard: bool = True) -> dict[str,
         state_finite=state_finite(state), param_digest=digest(model.parameters()),
         nonfinite_steps=ours.comm_state.nonfinite_steps,
         nonfinite_buckets=ours.comm_state.nonfinite_buckets,
+        # the guard's work in the hook: its agreement issued there (not riding)
+        guard_in_hook=ours.comm_state.breakdown_totals.get("guard", 0.0) > 0,
         warnings=capture.messages,
     )
     ours.comm_state.close()
@@ -136,7 +143,8 @@ def _check(a: dict[str, Any], b: dict[str, Any]) -> None:
 def rank_cases() -> dict[str, Any]:
     """The three cases below in one 2-rank job (each builds its own models)."""
     return {"nan": rank_nonfinite("nan"), "inf": rank_nonfinite("inf"),
-            "unguarded": rank_nonfinite("nan", guard=False)}
+            "unguarded": rank_nonfinite("nan", guard=False),
+            "one_bucket": rank_nonfinite("inf", one_bucket=True)}
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +165,16 @@ def test_one_inf_element_falls_back_on_its_bucket_only(cases) -> None:
     _check(a, b)
     assert a["fallbacks"][BAD_STEP].count("nonfinite") == 1 == a["nonfinite_buckets"]
     assert "" in a["fallbacks"][BAD_STEP], "the other buckets still compress"
+
+
+def test_flags_riding_on_powersgds_allreduce_guard_a_single_bucket(cases) -> None:
+    a, b = (c["one_bucket"] for c in cases)
+    _check(a, b)
+    assert a["fallbacks"][BAD_STEP] == ["nonfinite"] and a["nonfinite_buckets"] == 1
+    assert a["whole_state_untouched"] and b["whole_state_untouched"]
+    assert all(s == [""] for i, s in enumerate(a["fallbacks"]) if i != BAD_STEP)
+    # no agreement of its own, where the mixed policy's buckets issue one in the hook
+    assert not a["guard_in_hook"] and all(c["inf"]["guard_in_hook"] for c in cases)
 
 
 def test_without_the_guard_error_feedback_is_poisoned(cases) -> None:

@@ -70,6 +70,10 @@ class Compressor(ABC):
     # False for methods that keep no state and pass a NaN/Inf, and a joined rank's zeros,
     # through exactly as DDP's allreduce would: the runtime's guard is not needed for them
     guarded: ClassVar[bool] = True
+    # True for guarded methods whose reduce changes no state before it calls
+    # ``comm.admit()``, which it does before its first collective: the runtime then lets
+    # it encode while the guard's agreement is still on its way
+    encodes_before_guard: ClassVar[bool] = False
     # True for methods whose bytes and work depend on the gradient's values (rowsparse:
     # its non-zero rows), not on its shape alone: wire_messages reads ``density``, and
     # the codec probe times them on the captured gradients and records the density

@@ -12,16 +12,36 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "GroupComm", "LocalComm", "all_gather_flat"]
+__all__ = ["Comm", "Gate", "GroupComm", "GuardFallback", "LocalComm", "all_gather_flat"]
 
 # Equal-size all-gather into one flat tensor: recent torch names it all_gather_single and
 # warns on every call of all_gather_into_tensor, the only name older releases have.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GuardFallback(Exception):
+    """Raised by :meth:`Comm.admit` where the ranks agreed not to compress a bucket."""
+
+
+class Gate(Protocol):
+    """The runtime's guard on one bucket, left to its compressor (:meth:`Comm.admit`)."""
+
+    # True: no agreement was issued; the compressor appends flags(bad) to its first
+    # allreduce and hands admit() the two summed values (one collective fewer, and no
+    # pass over the bucket in the backward pass). False: admit() waits for the agreement.
+    rides: bool
+
+    def flags(self, bad: torch.Tensor) -> torch.Tensor:
+        """This rank's two fp32 flags (``bad``: a non-finite value in what the compressor
+        sends, which holds one wherever its input does; joined), on ``bad``'s device."""
+
+    def decide(self, summed: torch.Tensor | None) -> bool:
+        """True where every rank must average the bucket exactly instead."""
 
 
 class Comm(ABC):
@@ -42,6 +62,9 @@ class Comm(ABC):
         # ``(name, start, end, nbytes)`` (perf_counter seconds) to it: the runtime sets
         # one per bucket to break the bucket's time down; None (the default) logs nothing.
         self.log: list[tuple[str, float, float, int]] | None = None
+        # The runtime's guard for the bucket being reduced, when it is left to the
+        # compressor (see :meth:`admit` and :class:`Gate`); None: no guard pending.
+        self.gate: Gate | None = None
 
     def _count(self, kind: str, tensor: torch.Tensor, start: float) -> None:
         end = time.perf_counter()
@@ -51,6 +74,24 @@ class Comm(ABC):
         self.seconds[kind] += end - start
         if self.log is not None:
             self.log.append((kind, start, end, nbytes))
+
+    def admit(self, summed: torch.Tensor | None = None) -> None:
+        """Settle the guard on this bucket, if one is pending (once; later calls return
+        at once): wait for the ranks' agreement, or, where the gate rides on the
+        compressor's first allreduce (:attr:`Gate.rides`), read it from ``summed``, the
+        ranks' :meth:`Gate.flags` summed by that allreduce. A compressor whose
+        ``encodes_before_guard`` is set calls this before it changes any state, so that
+        its encoding overlaps the agreement (and the ranks' skew it waits out); the
+        runtime calls it before any other compressor's reduce.
+
+        Raises:
+            GuardFallback: the ranks agreed to average this bucket by plain allreduce
+                (a non-finite value or a joined rank); the compressor's state is as it
+                was before the call to ``reduce``.
+        """
+        gate, self.gate = self.gate, None
+        if gate is not None and gate.decide(summed):
+            raise GuardFallback
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -36,6 +36,8 @@ class ErrorFeedback:
         self._residuals: dict[str, torch.Tensor] = {}
         # name -> what makes its stored tensor the residual, in place (see defer)
         self._deferred: dict[str, Callable[[torch.Tensor], None]] = {}
+        # name -> a second buffer, written by compensate_aside (never state)
+        self._spares: dict[str, torch.Tensor] = {}
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -97,6 +99,38 @@ class ErrorFeedback:
         self._residuals[name] = residual
         return residual
 
+    def compensate_aside(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """As :meth:`compensate_into`, but into a spare buffer of the name's, the residual
+        left as it was: the compressor may encode before it knows whether it will
+        compress this step at all (the runtime's guard, awaited late), and a step it
+        does not take leaves no trace. :meth:`adopt` makes the spare the residual (and
+        the old residual the next step's spare: no allocation after the first steps,
+        at the cost of a second buffer per name). None when error feedback is off."""
+        if not self.enabled:
+            return None
+        self._settle(name)
+        residual = self._residuals.get(name)
+        spare = self._spares.get(name)
+        if spare is None or spare.shape != grad.shape or spare.device != grad.device:
+            spare = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+            self._spares[name] = spare
+        if residual is not None and residual.numel() == grad.numel() \
+                and residual.dtype == torch.float32 and residual.is_contiguous():
+            torch.add(residual.to(grad.device).view(grad.shape), grad, out=spare)
+        else:
+            spare.copy_(grad.detach())
+        return spare
+
+    def adopt(self, name: str) -> None:
+        """The spare :meth:`compensate_aside` wrote becomes ``name``'s residual buffer
+        (the caller then rewrites it in place into the new residual)."""
+        spare = self._spares.pop(name)
+        old = self._residuals.get(name)
+        self._residuals[name] = spare
+        if old is not None and old.shape == spare.shape and old.dtype == spare.dtype \
+                and old.device == spare.device and old.is_contiguous():
+            self._spares[name] = old
+
     def flat_residual(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
         """``name``'s residual as a flat, contiguous fp32 tensor on ``grad``'s device
         (stored back in that form, so that the caller can rewrite it in place), or None
@@ -119,6 +153,7 @@ class ErrorFeedback:
     def pop(self, name: str) -> torch.Tensor | None:
         """Remove and return ``name``'s residual (None if it has none)."""
         self._settle(name)
+        self._spares.pop(name, None)
         return self._residuals.pop(name, None)
 
     def clear(self) -> int:
@@ -126,6 +161,7 @@ class ErrorFeedback:
         count = len(self._residuals)
         self._residuals = {}
         self._deferred = {}
+        self._spares = {}
         return count
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -137,3 +173,4 @@ class ErrorFeedback:
                 raise CompressorError(f"error-feedback memory of {key!r} must be a tensor")
         self._residuals = {k: v.detach().clone() for k, v in state.items()}
         self._deferred = {}
+        self._spares = {}

@@ -42,11 +42,15 @@ class PowerSGD(ErrorFeedbackCompressor):
     """
 
     name = "powersgd"
-    collectives: tuple[Collective, ...] = ("allreduce", "allreduce", "allreduce")
+    collectives: tuple[Collective, ...] = ("allreduce", "allreduce")
     params = REGISTRY.params(name)  # rank, error_feedback, warm_start, min_compression_rate, seed
     needs_matrix = True
     size_param = "rank"
     state_keys = ("memory", "q")
+    # M is written beside the residual until comm.admit(): with one bucket, ready at the
+    # end of backward, the guard's agreement waits out the ranks' skew, and the encoding
+    # (M and P = M Q) is done meanwhile instead of after it
+    encodes_before_guard = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -76,8 +80,8 @@ class PowerSGD(ErrorFeedbackCompressor):
         self, shapes: Sequence[Shape], world_size: int,
         densities: Sequence[float | None] | None = None,
     ) -> list[tuple[Collective, int]]:
-        """An allreduce of the tensors sent whole (if any), then one of all the Ps and
-        one of all the Qs (if any matrix is compressed)."""
+        """An allreduce of all the Ps and the tensors sent whole, then one of all the
+        Qs (if any matrix is compressed)."""
         plain = p_bytes = q_bytes = 0
         for shape in shapes:
             mat = self._matrix(shape)
@@ -87,10 +91,8 @@ class PowerSGD(ErrorFeedbackCompressor):
                 rows, cols, rank = mat
                 p_bytes += rows * rank * 4
                 q_bytes += cols * rank * 4
-        out: list[tuple[Collective, int]] = [("allreduce", plain)] if plain else []
-        if p_bytes:
-            out += [("allreduce", p_bytes), ("allreduce", q_bytes)]
-        return out
+        out: list[tuple[Collective, int]] = [("allreduce", plain + p_bytes)]
+        return out + [("allreduce", q_bytes)] if p_bytes else out
 
     @staticmethod
     def codec_features(xp: Any, numel: Any, rows: Any, cols: Any, param: Any) -> list[Any]:
@@ -116,6 +118,11 @@ class PowerSGD(ErrorFeedbackCompressor):
 
     def reduce(self, tensors: Sequence[torch.Tensor], names: Sequence[str], comm: Comm) -> None:
         world = comm.world_size
+        # With the runtime's guard pending, M is written beside the residual and adopted
+        # once the ranks agree to compress (encodes_before_guard): up to then nothing
+        # here is state, so a bucket they agree to average exactly leaves it untouched.
+        gate = comm.gate
+        aside = gate is not None
         plain: list[torch.Tensor] = []
         mats: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor]] = []  # (grad, name, M, Q)
         for t, name in zip(tensors, names):
@@ -124,7 +131,7 @@ class PowerSGD(ErrorFeedbackCompressor):
                 plain.append(t)
                 continue
             rows, cols, rank = mat
-            mats.append((t, name, self._compensated(t, name, rows, cols), torch.empty(0)))
+            mats.append((t, name, self._compensated(t, name, rows, cols, aside), torch.empty(0)))
         if plain:
             with comm.phase("flatten"):
                 flat = torch.cat([t.reshape(-1).float() for t in plain])
@@ -139,18 +146,34 @@ class PowerSGD(ErrorFeedbackCompressor):
                 q = self._initial_q(name, cols, rank, m)
             mats[i] = (t, name, m, q)
 
-        if plain:
-            comm.all_reduce(flat)
-            with comm.phase("copy_back"):
-                _scatter(flat, plain)
-        if not mats:
-            return
-
         # P = M Q and Q = M^T P, each computed as the transpose of the product the other
         # way round (Q^T M^T, P^T M): for these tall-and-thin shapes BLAS is 2-13x faster
         # in that layout (200000 x 64 at rank 4: 12 ms instead of 19, 6 instead of 83).
         ps = [(q.t() @ m.t()).t() for _, _, m, q in mats]
-        p_flat = comm.all_reduce(torch.cat([p.reshape(-1) for p in ps]))
+        # the vectors travel with the Ps, in one allreduce
+        parts = [p.reshape(-1) for p in ps] + ([flat] if plain else [])
+        riding = gate is not None and gate.rides
+        if riding:
+            # and so do the guard's flags: a non-finite value in M (or in a vector)
+            # makes its rows of P non-finite whatever Q is
+            bad = ~torch.isfinite(torch.stack([x.sum() for x in parts]).sum())
+            parts.append(gate.flags(bad))
+        else:
+            comm.admit()  # waits for the ranks' agreement, if pending (as below)
+        sent = comm.all_reduce(torch.cat(parts))
+        if riding:
+            comm.admit(sent[-2:])  # raises, state untouched, where the ranks agreed not to compress
+        p_flat = sent[: sum(p.numel() for p in ps)]
+        if plain:
+            flat = sent[p_flat.numel() : p_flat.numel() + flat.numel()]
+        if aside and self.config["error_feedback"]:
+            for _, name, _, _ in mats:
+                self.memory.adopt(name)
+        if plain:
+            with comm.phase("copy_back"):
+                _scatter(flat, plain)
+        if not mats:
+            return
         # each P and Q its own tensor, not a view at a group-dependent offset: the same
         # arithmetic whatever else shares the bucket (see ErrorFeedback.compensate_into)
         ps = [p.clone() for p in _split(p_flat, [p.shape for p in ps])]
@@ -173,12 +196,14 @@ class PowerSGD(ErrorFeedbackCompressor):
             if self.config["warm_start"]:
                 self.q[name] = q
 
-    def _compensated(self, t: torch.Tensor, name: str, rows: int, cols: int) -> torch.Tensor:
+    def _compensated(self, t: torch.Tensor, name: str, rows: int, cols: int,
+                     aside: bool = False) -> torch.Tensor:
         """M = gradient + residual as a (rows, cols) fp32 matrix, in the residual's own
-        buffer (no allocation after the first step); without error feedback the
-        gradient itself when it is a contiguous fp32 view (the reduction overwrites it
-        anyway), else a copy."""
-        m = self.memory.compensate_into(name, t.reshape(rows, cols))
+        buffer (no allocation after the first step; ``aside``: in its spare, adopted
+        once the guard agrees); without error feedback the gradient itself when it is
+        a contiguous fp32 view (the reduction overwrites it anyway), else a copy."""
+        grad = t.reshape(rows, cols)
+        m = (self.memory.compensate_aside if aside else self.memory.compensate_into)(name, grad)
         if m is not None:
             return m
         if t.dtype == torch.float32 and t.is_contiguous():

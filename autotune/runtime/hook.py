@@ -36,6 +36,11 @@ survive DDP's bucket rebuild) and reduces each group with one collective per sta
   every rank exactly as under DDP (so a ``GradScaler`` or the user's own check sees it
   and skips the step everywhere), a joined rank contributes exactly zero, and no
   compressor state (error feedback, PowerSGD's Q, int8's counters) is touched.
+  A compressor that changes no state before it calls ``comm.admit()``
+  (``encodes_before_guard``: PowerSGD) encodes while the agreement is on its way, and a
+  bucket of it alone issues none: the two flags ride on its first allreduce, so neither
+  a pass over the bucket in the backward pass nor a collective of their own is paid
+  (see :class:`_Gate`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import torch.distributed as dist
 
 from autotune.compressors import Compressor, CompressorSpec, GroupComm, create
 from autotune.compressors.base import AllreduceCompressor
+from autotune.compressors.comm import GuardFallback
 from autotune.errors import AutotuneError, RankFailure
 from autotune.runtime.channel import Channel
 from autotune.runtime.topology import Hierarchy
@@ -359,9 +365,15 @@ class AutotuneState:
         record = BucketRecord(step, bucket.index(), buffer.numel(), True, start=start)
         record.breakdown["wait"] = wait
         agreement = None
-        if self._guard_group is not None and any(g.compressor.guarded for g in plan.groups):
+        # one compressor that takes the guard's flags along (encodes_before_guard): they
+        # ride on its first allreduce, decided there on every rank alike
+        rides = (len(plan.groups) == 1 and plan.groups[0].compressor.encodes_before_guard
+                 and self.hierarchy is None)
+        if self._guard_group is not None and any(g.compressor.guarded for g in plan.groups) \
+                and not rides:
             agreement = self._start_agreement(buffer, joined)
             record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
+        guarded = self._guard_group is not None and rides
         handed = time.perf_counter()
         if self.hierarchy is not None:
             return self._submit_hierarchical(plan, buffer, self.hierarchy, record, agreement,
@@ -372,16 +384,27 @@ class AutotuneState:
             comm = self._get_comm()
             began = time.perf_counter()
             record.breakdown["queue"] = began - handed
-            fallback = agreement is not None and self._agree_fallback(*agreement, record)
+            # Awaited late where the first compressor encodes before it (see
+            # Compressor.encodes_before_guard) and the agreement is still on its way:
+            # then the encoding overlaps it, and the ranks' skew it waits out.
+            late = (agreement is not None and plan.groups[0].compressor.encodes_before_guard
+                    and not agreement[0].is_completed())
+            fallback = agreement is not None and not late and self._agree_fallback(*agreement, record)
             worked = time.perf_counter()
             comm.log = log
+            if late or guarded:
+                comm.gate = _Gate(self, record, log, agreement, joined)
             try:
                 if fallback:
                     self._reduce_exact(buffer, paid, comm, record)
                 else:
-                    self._reduce_groups(plan, buffer, comm, log, record)
+                    try:
+                        self._reduce_groups(plan, buffer, comm, log, record)
+                    except GuardFallback:
+                        self._reduce_exact(buffer, paid, comm, record)
             finally:
                 comm.log = None
+                comm.gate = None
             end = time.perf_counter()
             _account(record, log, worked, end)
             record.job_s = end - began
@@ -476,6 +499,8 @@ class AutotuneState:
                        log: list[tuple[str, float, float, int]], record: BucketRecord) -> None:
         """Average the bucket across ``comm``'s ranks, each group with its compressor."""
         for group in plan.groups:
+            if not group.compressor.encodes_before_guard:
+                comm.admit()  # the guard's agreement first, if still pending
             before = len(log)
             tensors = [buffer[o : o + n].view(shape) for o, n, shape in group.slices]
             group.compressor.reduce(tensors, group.names, comm)
@@ -558,15 +583,27 @@ class AutotuneState:
         return work, flags, bad
 
     def _agree_fallback(
-        self, work: Any, flags: torch.Tensor, bad: torch.Tensor, record: BucketRecord
+        self, work: Any, flags: torch.Tensor, bad: torch.Tensor, record: BucketRecord,
+        log: list[tuple[str, float, float, int]] | None = None,
     ) -> bool:
         """The guard (see the module docstring), on the communication thread: True on
-        every rank if any rank has a non-finite value in this bucket or has joined."""
+        every rank if any rank has a non-finite value in this bucket or has joined.
+        Its wait goes to the bucket's breakdown, or to ``log`` when awaited in the
+        middle of a compressor's work (which the breakdown is then made from)."""
         began = time.perf_counter()
         here = bool(bad)
         work.wait()
         n_bad, n_joined = (int(v) for v in flags.tolist())
-        record.guard_wait_s = record.breakdown["guard_wait"] = time.perf_counter() - began
+        ended = time.perf_counter()
+        record.guard_wait_s = ended - began
+        if log is None:
+            record.breakdown["guard_wait"] = ended - began
+        else:
+            log.append(("guard_wait", began, ended, 0))
+        return self._judge(record, n_bad, n_joined, here)
+
+    def _judge(self, record: BucketRecord, n_bad: int, n_joined: int, here: bool) -> bool:
+        """The guard's verdict from the ranks' summed flags (see _agree_fallback)."""
         if n_bad:
             record.fallback = "nonfinite"
             self._report_nonfinite(record, n_bad, here)
@@ -739,6 +776,35 @@ def _count_sent(record: BucketRecord, label: str, entries: list[tuple[str, float
     tail, where the other stage's thread may also have logged) moved to ``label``'s."""
     sent = sum(nbytes for kind, _, _, nbytes in entries if kind in _COLLECTIVES)
     record.bytes_by_compressor[label] = record.bytes_by_compressor.get(label, 0) + sent
+
+
+class _Gate:
+    """One bucket's guard, left to its compressor (``Comm.admit``, ``Gate`` in
+    compressors/comm.py): the agreement issued in the hook, awaited late; or, without
+    one (``agreement`` None), flags that ride on the compressor's first allreduce."""
+
+    def __init__(self, state: AutotuneState, record: BucketRecord,
+                 log: list[tuple[str, float, float, int]],
+                 agreement: tuple[Any, torch.Tensor, torch.Tensor] | None, joined: bool) -> None:
+        self.state, self.record, self.log = state, record, log
+        self.agreement, self.joined = agreement, joined
+        self.rides = agreement is None
+        self.bad: torch.Tensor | None = None
+
+    def flags(self, bad: torch.Tensor) -> torch.Tensor:
+        self.bad = bad
+        return torch.stack([bad.to(torch.float32),
+                            torch.tensor(float(self.joined), device=bad.device)])
+
+    def decide(self, summed: torch.Tensor | None) -> bool:
+        if self.agreement is not None:
+            return self.state._agree_fallback(*self.agreement, self.record, self.log)
+        if summed is None:
+            raise AutotuneError("the guard rides on the compressor's allreduce: admit() "
+                                "needs the summed flags")
+        n_bad, n_joined = (int(v) for v in summed.tolist())
+        return self.state._judge(self.record, n_bad, n_joined,
+                                 self.bad is not None and bool(self.bad))
 
 
 def _account(record: BucketRecord, log: list[tuple[str, float, float, int]], began: float,
