@@ -367,13 +367,12 @@ class AutotuneState:
         agreement = None
         # one compressor that takes the guard's flags along (encodes_before_guard): they
         # ride on its first allreduce, decided there on every rank alike
-        rides = (len(plan.groups) == 1 and plan.groups[0].compressor.encodes_before_guard
-                 and self.hierarchy is None)
+        rides = (self._guard_group is not None and len(plan.groups) == 1
+                 and plan.groups[0].compressor.encodes_before_guard and self.hierarchy is None)
         if self._guard_group is not None and any(g.compressor.guarded for g in plan.groups) \
                 and not rides:
             agreement = self._start_agreement(buffer, joined)
             record.guard_s = record.breakdown["guard"] = time.perf_counter() - start
-        guarded = self._guard_group is not None and rides
         handed = time.perf_counter()
         if self.hierarchy is not None:
             return self._submit_hierarchical(plan, buffer, self.hierarchy, record, agreement,
@@ -392,7 +391,7 @@ class AutotuneState:
             fallback = agreement is not None and not late and self._agree_fallback(*agreement, record)
             worked = time.perf_counter()
             comm.log = log
-            if late or guarded:
+            if late or rides:
                 comm.gate = _Gate(self, record, log, agreement, joined)
             try:
                 if fallback:
