@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from autotune.errors import AutotuneError
 from autotune.launch import Placement, launch, set_rank_threads
 from autotune.policies import Policy
+from autotune.policies.policy import ddp_bucket_cap
 from autotune.presets import PRESETS, preset
 from autotune.runtime import wrap as runtime_wrap
 from autotune.trials import ratio_interval
@@ -211,8 +212,13 @@ def _views(setup: Setup) -> dict[str, bool]:
 def _ddp(setup: Setup, module: torch.nn.Module, bucket_cap_mb: float | None = None) -> DistributedDataParallel:
     """The plain ``DistributedDataParallel`` of a "ddp" or "hook" set-up: its bucket cap
     (``bucket_cap_mb`` where the hook needs another), its bucket views, and no initial
-    broadcast (:func:`_sync_parameters` made the copies equal)."""
+    broadcast (:func:`_sync_parameters` made the copies equal). At DDP's default cap it
+    is ``DistributedDataParallel(model)``'s own buckets, first bucket of 1 MiB included,
+    as a user builds it and as ``wrap`` builds ours (``policies.ddp_bucket_cap``): DDP
+    given ``bucket_cap_mb=25`` explicitly drops that first bucket, and a 3 MB model then
+    runs one bucket where ours runs two."""
     cap = setup.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb
+    cap = None if cap is None else ddp_bucket_cap(cap)
     caps = {} if cap is None else {"bucket_cap_mb": cap}
     return DistributedDataParallel(module, init_sync=False, **caps, **_views(setup))
 

@@ -227,12 +227,49 @@ def rank_bucket_views() -> dict[str, bool]:
     return out
 
 
+def rank_bucket_layouts() -> dict[str, list[int]]:
+    """Per set-up, the sizes of the buckets (elements) of the DDP measuring builds, after
+    DDP's rebuild, beside DistributedDataParallel(model)'s own."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autotune import measure
+    from autotune.workloads import resolve_workload
+
+    work = resolve_workload("transformer")  # 3.3 MB: over DDP's first bucket of 1 MiB
+    policy = {"version": 1, "bucket_cap_mb": 25.0, "default": {"compressor": "fp16"}}
+    out = {}
+    models = {"users": DistributedDataParallel(copy.deepcopy(work.model))}
+    for name, setup in {"ddp": {"kind": "ddp", "bucket_cap_mb": 25.0},
+                        "hook": {"kind": "hook", "hook": "fp16", "bucket_cap_mb": 25.0},
+                        "policy": {"kind": "policy", "policy": policy, "native": False}}.items():
+        models[name] = measure._build(measure.Setup.from_dict({"name": name, **setup}),
+                                      work.model, 0.01, None).model
+    for name, model in models.items():
+        for step in range(2):  # DDP rebuilds its buckets after the first
+            inputs, targets = work.make_batch(step)
+            model.zero_grad(set_to_none=True)
+            work.loss_fn(model(inputs), targets).backward()
+        out[name] = sorted(b.buffer().numel() for b in model.reducer._get_zeros_like_grad_buckets())
+    return out
+
+
 @pytest.mark.multirank
 def test_a_set_up_builds_ddp_with_the_bucket_views_it_names(run_ranks) -> None:
     # DDP's default for plain DDP and the stock hooks, wrap's (views) for our policies
     for r in run_ranks("test_verify:rank_bucket_views"):
         assert r == {"ddp": False, "ddp+views": True, "hook": False, "hook+views": True,
                      "policy": True, "policy-views": False}
+
+
+@pytest.mark.multirank
+def test_set_ups_at_ddps_default_cap_have_ddps_own_buckets(run_ranks) -> None:
+    # plain DDP and the stock hooks as a user builds them, DistributedDataParallel(model),
+    # and ours at the same cap: a first bucket of 1 MiB, then the rest
+    for r in run_ranks("test_verify:rank_bucket_layouts"):
+        assert r["ddp"] == r["hook"] == r["policy"] == r["users"]
+        assert len(r["users"]) == 2
 
 
 def test_a_stock_powersgd_set_up_is_judged_in_warm_up_only_after_its_first_compressing_step() -> None:
