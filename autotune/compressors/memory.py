@@ -87,17 +87,24 @@ class ErrorFeedback:
         lays its buckets out differently, e.g. right after a restart."""
         if not self.enabled:
             return None
-        self._settle(name)
-        residual = self._residuals.get(name)
-        if residual is not None and residual.numel() == grad.numel() \
-                and residual.dtype == torch.float32 and residual.is_contiguous():
-            residual = residual.to(grad.device).view(grad.shape)
+        residual = self._matching(name, grad)
+        if residual is not None:
             residual.add_(grad)
         else:
             residual = grad.detach().to(torch.float32, memory_format=torch.contiguous_format,
                                         copy=True)
         self._residuals[name] = residual
         return residual
+
+    def _matching(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """``name``'s residual (settled) as an fp32 tensor shaped as ``grad`` on its
+        device, where one of its size is stored fp32 and contiguous; else None."""
+        self._settle(name)
+        residual = self._residuals.get(name)
+        if residual is None or residual.numel() != grad.numel() \
+                or residual.dtype != torch.float32 or not residual.is_contiguous():
+            return None
+        return residual.to(grad.device).view(grad.shape)
 
     def compensate_aside(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
         """As :meth:`compensate_into`, but into a spare buffer of the name's, the residual
@@ -108,15 +115,13 @@ class ErrorFeedback:
         at the cost of a second buffer per name). None when error feedback is off."""
         if not self.enabled:
             return None
-        self._settle(name)
-        residual = self._residuals.get(name)
+        residual = self._matching(name, grad)
         spare = self._spares.get(name)
         if spare is None or spare.shape != grad.shape or spare.device != grad.device:
             spare = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
             self._spares[name] = spare
-        if residual is not None and residual.numel() == grad.numel() \
-                and residual.dtype == torch.float32 and residual.is_contiguous():
-            torch.add(residual.to(grad.device).view(grad.shape), grad, out=spare)
+        if residual is not None:
+            torch.add(residual, grad, out=spare)
         else:
             spare.copy_(grad.detach())
         return spare

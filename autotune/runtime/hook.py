@@ -575,9 +575,7 @@ class AutotuneState:
         # One pass, no copy: a sum is non-finite if any element is (or if it overflows
         # fp32, which then costs a harmless plain allreduce).
         bad = ~torch.isfinite(buffer.sum(dtype=torch.float32))
-        flags = torch.zeros(2, dtype=torch.float32, device=buffer.device)
-        flags[0] = bad
-        flags[1] = float(joined)
+        flags = _guard_flags(bad, joined)
         work = dist.all_reduce(flags, group=self._guard_group, async_op=True)
         return work, flags, bad
 
@@ -777,6 +775,12 @@ def _count_sent(record: BucketRecord, label: str, entries: list[tuple[str, float
     record.bytes_by_compressor[label] = record.bytes_by_compressor.get(label, 0) + sent
 
 
+def _guard_flags(bad: torch.Tensor, joined: bool) -> torch.Tensor:
+    """A rank's guard flags, summed over ranks by an allreduce and read by
+    :meth:`AutotuneState._judge`: (a non-finite value here, this rank has joined)."""
+    return torch.stack([bad.to(torch.float32), torch.tensor(float(joined), device=bad.device)])
+
+
 class _Gate:
     """One bucket's guard, left to its compressor (``Comm.admit``, ``Gate`` in
     compressors/comm.py): the agreement issued in the hook, awaited late; or, without
@@ -792,8 +796,7 @@ class _Gate:
 
     def flags(self, bad: torch.Tensor) -> torch.Tensor:
         self.bad = bad
-        return torch.stack([bad.to(torch.float32),
-                            torch.tensor(float(self.joined), device=bad.device)])
+        return _guard_flags(bad, self.joined)
 
     def decide(self, summed: torch.Tensor | None) -> bool:
         if self.agreement is not None:
