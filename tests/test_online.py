@@ -195,9 +195,11 @@ def rank_noise_no_revision(profile: str, steps: int = 80) -> dict[str, Any]:
             "detail": [e for e in ddp.controller.events if e["event"] == "drift"]}
 
 
-def rank_compute_slowdown(profile: str, fork: bool = True, steps: int = 70) -> dict[str, Any]:
+def rank_compute_slowdown(profile: str, fork: bool = True, steps: int = 70,
+                          burst: bool = False) -> dict[str, Any]:
     """The link holds and every step gets much slower (another job took the CPU). The
-    re-search runs on a fork of rank 0, or (``fork`` False) on a thread."""
+    re-search runs on a fork of rank 0, or (``fork`` False) on a thread. ``burst``: steps
+    10-14 are as slow too (load while the reference is taken), then fast again."""
     if not fork:
         from autotune.online import controller
 
@@ -206,7 +208,8 @@ def rank_compute_slowdown(profile: str, fork: bool = True, steps: int = 70) -> d
     ddp = autotune.wrap(work.model, Policy.from_dict(NONE), online=True, profile=profile,
                         budget_s=2.0, trials=10)
     opt = torch.optim.SGD(work.model.parameters(), lr=0.05)
-    _train(ddp, work, steps, opt, lambda step: time.sleep(0.01 if step < 30 else 0.2))
+    _train(ddp, work, steps, opt,
+           lambda step: time.sleep(0.2 if step >= 30 or (burst and 10 <= step < 15) else 0.01))
     deadline = time.monotonic() + 30  # let a re-search still running report (rank 0 takes
     while ddp.controller._researching():  # its reply at a check; training has ended)
         assert time.monotonic() < deadline
@@ -326,6 +329,17 @@ def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(
     assert [e["event"] for e in r["events"]][1] == "keep", r["events"]
     assert r["forked"] == fork  # on a fork of rank 0 (training keeps the GIL), or a thread
     assert r["policy"] == Policy.from_dict(NONE).id
+
+
+def test_a_burst_of_load_while_the_reference_is_taken_does_not_hide_a_later_slowdown(
+        run_ranks, mlp_profile: str) -> None:
+    # one window of the reference caught the burst; the median of its windows did not
+    # (with the burst as the reference, the slowdown at step 30 measured as no change)
+    r = run_ranks("test_online:rank_compute_slowdown", profile=mlp_profile, burst=True,
+                  timeout=240)[0]
+    drifts = [e for e in r["events"] if e["event"] == "drift"]
+    assert drifts and drifts[0]["step"] >= 30, r["events"]
+    assert drifts[0]["compute_speed"] < 1 / (1 + OnlineConfig().threshold), drifts[0]
 
 
 def test_a_slowdown_shorter_than_patience_s_is_not_drift(run_ranks, mlp_profile: str) -> None:

@@ -10,8 +10,9 @@ between steps, at the start of a forward pass: never inside a backward pass.
   on a fast link sends kilobytes), every rank joins a small probe allreduce at a check,
   no more often than keeps the probes within :data:`PROBE_SHARE` of the job's time.
 * **Drift**: at each check (every ``check_every`` steps) two ratios are compared with
-  their values when the current policy started: measured / predicted step time, and the
-  fitted link rate. A deviation above ``threshold`` for ``patience`` consecutive checks
+  their values when the current policy started (the step ratio's median over
+  :data:`REF_WINDOWS` checks' windows, after the first ones settle): measured / predicted
+  step time, and the fitted link rate. A deviation above ``threshold`` for ``patience`` consecutive checks
   is drift (hysteresis: noise does not flap the policy); a step that moved while the
   link held must also have moved for ``patience_s`` seconds (a CPU that runs slower for
   a second or two is not a change to re-tune for).
@@ -123,6 +124,9 @@ NETWORK_STEPS = 20  # auto's network probe takes at most about this many DDP ste
 # while the auto search runs, rank 0 looks for its reply every this many steps (each
 # check is a broadcast that every rank waits on: on a fast link, a step's worth of it)
 SEARCH_POLL_STEPS = 4
+# windows whose median step ratio is drift's reference: one window can catch a burst of
+# host load (the job's first steps, another process) that the steps after it never see
+REF_WINDOWS = 3
 # steps of the running search after which rank 0 weighs what it costs the job (the
 # steps it slows) against the most any policy could win (the exposed communication):
 # one poll's; a search that only looks affordable goes on being weighed as it runs
@@ -243,6 +247,7 @@ class Controller:
         # checks to skip before taking the reference: the first windows hold DDP's first
         # iterations (bucket rebuild, compression starting), or steps of the old policy
         self._settle = 2
+        self._ref_ratios: list[float] = []  # the reference's windows so far
         self._strikes = 0
         self._drift_since = 0.0  # when the first window of the current drift began
         self._scale = 1.0  # fitted link: measured / predicted collective time
@@ -370,6 +375,7 @@ class Controller:
         if self.rank == 0:
             with self._lock:
                 self._ref = None
+                self._ref_ratios = []
                 self._settle = 1
                 self._strikes = 0
 
@@ -533,7 +539,10 @@ class Controller:
             if self._settle > 0:
                 self._settle -= 1
             else:
-                self._ref = (ratio, self._scale)
+                self._ref_ratios.append(ratio)
+                if len(self._ref_ratios) >= REF_WINDOWS:
+                    self._ref = (statistics.median(self._ref_ratios), self._scale)
+                    self._ref_ratios = []
             return b"", 0
         ref_ratio, ref_scale = self._ref
         step_dev = abs(ratio / ref_ratio - 1)
@@ -640,6 +649,7 @@ class Controller:
             self._log({"event": "keep", "step": self.step, "policy": reply["current"], **info})
             with self._lock:
                 self._ref = None  # the change is understood: re-baseline on it
+                self._ref_ratios = []
                 self._settle = 0
 
     def _research(self, current: Policy, link_bps: float | None,
@@ -1073,6 +1083,7 @@ class Controller:
             f"{summary['speedup']:.2f}x" if summary.get("speedup") else "as fast as")
         with self._lock:
             self._ref = None
+            self._ref_ratios = []
             self._settle = 2
             self._strikes = 0
             self._window = _Window()
