@@ -374,10 +374,15 @@ class Controller:
         the same one run another way)."""
         if self.rank == 0:
             with self._lock:
-                self._ref = None
-                self._ref_ratios = []
-                self._settle = 1
+                self._forget_reference(settle=1)
                 self._strikes = 0
+
+    def _forget_reference(self, settle: int) -> None:
+        """Rank 0, holding ``_lock``: drift's reference is taken again, after ``settle``
+        checks' windows are skipped."""
+        self._ref = None
+        self._ref_ratios = []
+        self._settle = settle
 
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -648,9 +653,7 @@ class Controller:
         else:
             self._log({"event": "keep", "step": self.step, "policy": reply["current"], **info})
             with self._lock:
-                self._ref = None  # the change is understood: re-baseline on it
-                self._ref_ratios = []
-                self._settle = 0
+                self._forget_reference(settle=0)  # the change is understood: re-baseline on it
 
     def _research(self, current: Policy, link_bps: float | None,
                   reason: dict[str, Any]) -> dict[str, Any]:
@@ -1082,9 +1085,7 @@ class Controller:
             policy.bucket_cap_mb,
             f"{summary['speedup']:.2f}x" if summary.get("speedup") else "as fast as")
         with self._lock:
-            self._ref = None
-            self._ref_ratios = []
-            self._settle = 2
+            self._forget_reference(settle=2)
             self._strikes = 0
             self._window = _Window()
         self._explore_from = None
