@@ -57,6 +57,13 @@ STOCK_POWERSGD_FROM = 2
 # step is 3 s: calibration's seven steps per set-up cost 20 s of it)
 STEADY_STEP_S = 1.0
 STEADY_STEPS = 2  # timed steps of such a set-up, its last warm-up step among them
+# Futility: once the contenders have this many timed steps each, the measurement ends
+# when none of them is expected to separate from the fastest in the budget and rounds
+# left (:func:`_futile`). At 100 Mbit four tuned cnn candidates within 1% of each other
+# spent the whole 60 s budget (25 rounds) at intervals of 0.95-1.07 against the fastest.
+FUTILE_MIN_STEPS = 10
+# Why an adaptive measurement ended (``stopped`` in rank_measure's result).
+STOPS = ("rounds", "separated", "budget", "futile")
 # PyTorch's hooks: the presets' and ``allreduce`` (default_hooks.allreduce_hook: DDP's own
 # averaging as a Python hook, what any hook costs beside DDP's native path)
 HOOKS = (*dict.fromkeys(p.hook for p in PRESETS if p.hook is not None), "allreduce")
@@ -332,10 +339,11 @@ def rank_measure(
     interval (:func:`autotune.trials.ratio_interval`), and any set-up not named, stops
     being measured; before that, only a set-up :data:`CLEARLY_SLOWER` than the fastest
     named one in every step does. The measurement ends when one named set-up is left,
-    after ``rounds`` rounds, or once ``budget_s`` seconds have passed after the first
+    after ``rounds`` rounds, once ``budget_s`` seconds have passed after the first
     round (which every set-up runs, however slow: the budget is for telling the close
-    ones apart). Rank 0 decides from the slowest rank's times and broadcasts, so every
-    rank agrees.
+    ones apart), or when more rounds are futile: no contender left is expected to
+    separate from the fastest in the rounds and budget left (:func:`_futile`). Rank 0
+    decides from the slowest rank's times and broadcasts, so every rank agrees.
 
     Args:
         workload: a workload spec (built-in name, ``file.py:fn`` or ``module:fn``).
@@ -366,7 +374,9 @@ def rank_measure(
     Returns:
         On every rank: per set-up, the slowest rank's time of each measured step, and
         the bytes each compressor handed to collectives in the last step; ``rounds``
-        (rounds run) and ``measure_s`` (seconds spent measuring).
+        (rounds run) and ``measure_s`` (seconds spent measuring); with ``separate``,
+        ``stopped``: why the measurement ended (one of :data:`STOPS`; ``"separated"``
+        when one named set-up, or one set-up in all, was left).
     """
     if steady_s is not None and separate is not None:
         raise AutotuneError("rank_measure: steady_s ends a set-up's measurement on its own, "
@@ -388,6 +398,7 @@ def rank_measure(
     started = time.perf_counter()
     budget_from: float | None = None  # the budget counts once every set-up was measured
     done = 0
+    stopped = "rounds"
     while done < rounds and active:
         # a steady set-up's (steady_s) last warm-up step counted: one less this round
         counts = [max(1, STEADY_STEPS - 1) if done == 0 and id(r) in steady else block for r in active]
@@ -409,20 +420,32 @@ def rank_measure(
                       or min(slowest[id(r)][-STEADY_STEPS:]) < steady_s]
         if separate is None:
             continue
-        keep = torch.zeros(len(active), dtype=torch.uint8)
+        # one flag per active set-up (measured on), and why the measurement ends, if it does
+        keep = torch.zeros(len(active) + 1, dtype=torch.uint8)
         if dist.get_rank() == 0:
             now = {r.setup.name: slowest[id(r)] for r in active}
+            stop = None
             if done < floor_rounds:  # before the first test, only the clearly slower leave
                 names = set(now) - _clearly_slower(now, separate)
             elif budget_s is not None and time.perf_counter() - budget_from >= budget_s:
-                names = set()
+                names, stop = set(), "budget"
             else:
                 names = _contenders(now, separate)
-            keep = torch.tensor([int(r.setup.name in names) for r in active], dtype=torch.uint8)
+                left = budget_s - (time.perf_counter() - budget_from) if budget_s is not None else None
+                if len(names) > 1 and _futile({n: now[n] for n in names}, block,
+                                              _rounds_left(now, names, block, rounds - done, left)):
+                    names, stop = set(), "futile"
+            keep = torch.tensor([int(r.setup.name in names) for r in active]
+                                + [STOPS.index(stop) if stop else 0], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
-        active = [r for r, k in zip(active, keep.tolist()) if k]
+        flags = keep.tolist()
+        active = [r for r, k in zip(active, flags) if k]
+        if flags[-1]:
+            stopped = STOPS[flags[-1]]
+            break
         if len(active) <= 1 or (done >= floor_rounds and
                                 len([r for r in active if r.setup.name in separate]) <= 1):
+            stopped = "separated"
             break
     measure_s = time.perf_counter() - started
     measured = {id(r) for r in runners if r.times}
@@ -458,8 +481,11 @@ def rank_measure(
                 {"fp16": nbytes // 2} if runner.setup.hook == "fp16" else {"none": nbytes}
             )
         results.append(entry)
-    return {"world_size": dist.get_world_size(), "workload": work.name, "results": results,
-            "rounds": done, "measure_s": measure_s}
+    out = {"world_size": dist.get_world_size(), "workload": work.name, "results": results,
+           "rounds": done, "measure_s": measure_s}
+    if separate is not None:
+        out["stopped"] = stopped
+    return out
 
 
 def bench_setups(presets: Sequence[str], policy: Policy | None = None) -> list[dict[str, Any]]:
@@ -590,6 +616,40 @@ def _contenders(times: dict[str, list[float]], separate: Sequence[str]) -> set[s
         return set()
     return {n for n, t in times.items()
             if n in separate and (n == best or ratio_interval(t, times[best])[0] <= 1.0)}
+
+
+def _rounds_left(times: dict[str, list[float]], names: set[str], block: int, rounds: int,
+                 budget_left_s: float | None) -> int:
+    """Rounds the measurement can still run: at most ``rounds``, and as many as fit in
+    ``budget_left_s`` (None: no limit) at ``block`` median steps of each of ``names``."""
+    if budget_left_s is None:
+        return max(0, rounds)
+    round_s = sum(block * statistics.median(times[n]) for n in names)
+    return max(0, min(rounds, int(budget_left_s / max(round_s, 1e-9))))
+
+
+def _futile(times: dict[str, list[float]], block: int, rounds_left: int) -> bool:
+    """Whether no rival of the fastest of ``times`` (the contenders left) is expected to
+    separate from it in ``rounds_left`` more rounds of ``block`` steps: each rival's
+    lower interval bound over the fastest, moved toward its ratio of medians as the
+    interval narrows (with the square root of the steps), stays at or below 1. Such a
+    measurement can only end tied, as the budget would end it, and a tie goes to the
+    simpler set-up (:func:`autotune.trials.decide`), so stopping never emits a set-up
+    slower than a simpler one measured beside it. Never before every contender has
+    :data:`FUTILE_MIN_STEPS` timed steps: a few steps' interval is itself noise."""
+    steps = min(len(t) for t in times.values())
+    if len(times) < 2 or steps < FUTILE_MIN_STEPS:
+        return False
+    best = min(times, key=lambda n: statistics.median(times[n]))
+    shrink = (steps / (steps + rounds_left * block)) ** 0.5
+    for name, t in times.items():
+        if name == best:
+            continue
+        ratio = statistics.median(t) / statistics.median(times[best])
+        low = ratio_interval(t, times[best])[0]
+        if ratio - (ratio - low) * shrink > 1.0:
+            return False
+    return True
 
 
 def _fastest(times: dict[str, list[float]], separate: Sequence[str]) -> str | None:

@@ -42,6 +42,75 @@ def test_measurement_ends_at_its_budget(run_ranks) -> None:
     assert all(len(r["step_s"]) == 3 for r in result["results"])
 
 
+def rank_fixed_steps(**kwargs: object) -> dict:
+    """rank_measure whose every step, really run, reads as ``step_s`` seconds
+    (default 0.01) plus the set-up's ``extra`` (a name -> seconds mapping)."""
+    from autotune import measure
+
+    fixed, extra = kwargs.pop("step_s", 0.01), kwargs.pop("extra", {})
+    step = measure._run_step
+    measure._run_step = lambda r, mb, lf: (step(r, mb, lf), fixed + extra.get(r.setup.name, 0.0))[1]
+    return measure.rank_measure(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.multirank
+def test_a_measurement_that_cannot_separate_its_contenders_ends_as_futile(run_ranks) -> None:
+    from autotune.measure import FUTILE_MIN_STEPS
+
+    setups = [{"name": "a", "kind": "ddp"}, {"name": "b", "kind": "ddp"}]
+    result = run_ranks("test_verify:rank_fixed_steps", workload="mlp", setups=setups, rounds=60,
+                       block=2, warmup=1, min_rounds=3, budget_s=600.0, separate=["a", "b"])[0]
+    # alike to the microsecond: no number of rounds tells them apart, so the first look
+    # with FUTILE_MIN_STEPS steps each ends it, neither dropped, long before the budget
+    assert result["stopped"] == "futile"
+    assert result["rounds"] == -(-FUTILE_MIN_STEPS // 2)
+    assert [len(r["step_s"]) for r in result["results"]] == [2 * result["rounds"]] * 2
+
+
+@pytest.mark.multirank
+def test_a_measurement_stops_as_separated_or_at_its_budget_and_says_so(run_ranks) -> None:
+    setups = [{"name": "a", "kind": "ddp"}, {"name": "b", "kind": "ddp"}]
+    apart = run_ranks("test_verify:rank_fixed_steps", workload="mlp", setups=setups, rounds=60,
+                      block=2, warmup=1, min_rounds=3, budget_s=600.0, separate=["a", "b"],
+                      extra={"b": 0.001})[0]
+    assert apart["stopped"] == "separated" and apart["rounds"] == 3
+    spent = run_ranks("test_verify:rank_fixed_steps", workload="mlp", setups=setups, rounds=60,
+                      block=2, warmup=1, min_rounds=3, budget_s=1e-6, separate=["a", "b"])[0]
+    assert spent["stopped"] == "budget" and spent["rounds"] == 3
+    plain = run_ranks("test_verify:rank_fixed_steps", workload="mlp", setups=setups, rounds=2, block=1)[0]
+    assert "stopped" not in plain  # not adaptive
+
+
+def test_futility_needs_steps_and_no_rival_expected_to_separate() -> None:
+    import numpy as np
+
+    from autotune.measure import FUTILE_MIN_STEPS, _futile, _rounds_left
+    from autotune.trials import ratio_interval
+
+    rng = np.random.default_rng(0)
+
+    def steps(scale: float, n: int, noise: float) -> list[float]:
+        return (scale * (1 + noise * rng.standard_normal(n))).tolist()
+
+    alike = {"a": steps(1.0, 12, 0.03), "b": steps(1.0, 12, 0.03)}
+    assert _futile(alike, 2, 25)
+    # the same, before every contender has FUTILE_MIN_STEPS steps: too few to judge
+    assert not _futile({n: t[: FUTILE_MIN_STEPS - 1] for n, t in alike.items()}, 2, 25)
+    # 3% apart at 5% noise: not separated in 12 steps (the caller passes only rivals
+    # not yet shown slower), expected to be in 100 rounds more, but not in none
+    rng = np.random.default_rng(0)
+    apart = {"a": steps(1.0, 12, 0.05), "b": steps(1.03, 12, 0.05), "c": steps(1.0, 12, 0.05)}
+    assert ratio_interval(apart["b"], apart["a"])[0] < 1.0
+    assert not _futile(apart, 2, 100)
+    assert _futile(apart, 2, 0)
+    # rounds left: as many as the budget holds at the contenders' median steps
+    times = {"a": [0.1] * 4, "b": [0.3] * 4, "slow": [5.0] * 4}
+    assert _rounds_left(times, {"a", "b"}, 2, 100, 8.0) == 10
+    assert _rounds_left(times, {"a", "b"}, 2, 7, 8.0) == 7
+    assert _rounds_left(times, {"a", "b"}, 2, 7, None) == 7
+    assert _rounds_left(times, {"a", "b"}, 2, 7, -1.0) == 0
+
+
 def rank_slow_warm_up(**kwargs: object) -> dict:
     """rank_measure where the set-ups named in ``slow`` (default: the one called
     ``slow``) take 0.3 s more per step (added to their measured time, so the test costs
@@ -165,12 +234,12 @@ def test_a_bucket_variant_predicted_far_slower_is_not_measured() -> None:
 
     from autotune.search.defaults import PRUNE_PREDICTED
     from autotune.search.tuner import tune
-    from autotune.search.verify import _setups
+    from autotune.search.verify import PRUNED_SLOW, _setups
 
     result = tune(synthetic_profile("cnn", link_bps=1e8), trials=10, seed=0, top_k=4)
     setups, info = _setups(result, 2, "gloo")
     measured = {s["name"] for s in setups}
-    pruned = {n for n, r in info.items() if r.get("pruned")}
+    pruned = {n for n, r in info.items() if r.get("pruned") == PRUNED_SLOW}
     assert pruned == {"ddp1mb", "ddp5mb", "ddp100mb"}  # 100 Mbit: 10x PowerSGD's step
     assert not pruned & measured
     assert {p.name for p in PRESETS} <= measured  # our presets' policies always
@@ -178,7 +247,30 @@ def test_a_bucket_variant_predicted_far_slower_is_not_measured() -> None:
     assert all(info[n]["predicted_step_s"] > PRUNE_PREDICTED * fastest for n in pruned)
     # on a fast link nothing is that far off
     fast = tune(synthetic_profile("cnn", link_bps=1e11), trials=10, seed=0, top_k=4)
-    assert not any(r.get("pruned") for r in _setups(fast, 2, "gloo")[1].values())
+    assert not any(r.get("pruned") == PRUNED_SLOW for r in _setups(fast, 2, "gloo")[1].values())
+
+
+def test_a_bucket_variant_over_the_error_budget_is_not_measured_but_its_preset_is() -> None:
+    from test_models import synthetic_profile
+
+    from autotune.search.tuner import tune
+    from autotune.search.verify import PRUNED_OVER_BUDGET, _setups
+
+    presets = {p.name for p in PRESETS}
+    variants_over = {}
+    for max_error in (0.3, 1.5):
+        result = tune(synthetic_profile("cnn", link_bps=1e9), trials=10, seed=0, top_k=4,
+                      max_error=max_error)
+        setups, info = _setups(result, 2, "gloo")
+        measured = {s["name"] for s in setups}
+        over = {b.name for b in result.baselines if not b.feasible}
+        assert presets <= measured  # PowerSGD r1 and r4 themselves, over budget or not
+        assert {n for n, r in info.items() if r.get("pruned") == PRUNED_OVER_BUDGET} == over - presets
+        assert not (over - presets) & measured
+        variants_over[max_error] = over - presets
+    assert variants_over[0.3]  # e.g. PowerSGD at 100 MB buckets
+    assert variants_over[1.5] == set()  # every variant within budget, and measured
+
 
 
 def rank_stock_powersgd_steps() -> list[int]:

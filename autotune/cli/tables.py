@@ -245,6 +245,15 @@ def codec_coverage(profile: Profile) -> dict[str, Any]:
     }
 
 
+# why verification's measurement ended (rank_measure's ``stopped``), for its table
+STOPPED = {
+    "separated": "one contender was left, the others measured slower beyond noise",
+    "budget": "its {budget:.0f} s budget ran out",
+    "futile": "no contender left could separate from the fastest in the budget left",
+    "rounds": "its round limit",
+}
+
+
 def print_verification(out: Any, meta: Mapping[str, Any]) -> None:
     """The measured table of a verified policy's meta, and why the winner won (``autotune tune``,
     ``show`` and ``demo``)."""
@@ -286,5 +295,11 @@ def print_verification(out: Any, meta: Mapping[str, Any]) -> None:
         listed = ", ".join(f"{n} ({s * 1e3:.0f} ms)" for n, s in sorted(pruned.items(), key=lambda kv: kv[1]))
         out.print(f"not measured, predicted over {PRUNE_PREDICTED:g}x the fastest prediction: {listed}",
                   soft_wrap=True)
+    if summary.get("pruned_over_budget"):
+        out.print("not measured, bucket-size variants over the error budget (they cannot win): "
+                  + ", ".join(summary["pruned_over_budget"]), soft_wrap=True)
+    if summary.get("stopped") in STOPPED:
+        out.print(f"measured {summary.get('rounds')} rounds in {summary.get('measure_s') or 0:.0f} s; ended: "
+                  + STOPPED[summary["stopped"]].format(budget=summary.get("budget_s") or 0), soft_wrap=True)
     if summary.get("why"):
         out.print(f"verdict: {summary['why']}", soft_wrap=True)

@@ -36,6 +36,9 @@ __all__ = ["DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES", "PRUNE_PREDICTED", "candida
 
 # our plain DDP policy: the reference of the model's ratios, never judged on one step
 REFERENCE = "ddp"
+# why a bucket-size variant of a preset was not measured (``pruned`` in its report row)
+PRUNED_SLOW = "predicted slow"
+PRUNED_OVER_BUDGET = "over the error budget"
 
 
 def candidates(result: TuneResult, k: int) -> list[Candidate]:
@@ -89,9 +92,11 @@ def _plain(policy: Policy) -> dict[str, Any]:
 
 def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """What to measure, simplest first, and what is known of each; a bucket-size
-    variant of a preset (e.g. ``ddp1mb``) that the model predicts :data:`PRUNE_PREDICTED`
-    times the fastest prediction is left out (in ``info`` with ``pruned``: no
-    measurement), the presets themselves never."""
+    variant of a preset (e.g. ``ddp1mb``) is left out (in ``info`` with ``pruned``, the
+    reason: no measurement) when it is over the error budget (it cannot win, and no
+    preset is it: at 100 Mbit PowerSGD at 100 MB buckets cost two set-ups' warm-up and
+    memory for nothing) or the model predicts it :data:`PRUNE_PREDICTED` times the
+    fastest prediction; the presets themselves never."""
     ours = {b.name: b for b in result.baselines}
     picked = candidates(result, k)
     fastest = min([c.predicted_s for c in picked] + [b.predicted_s for b in result.baselines if b.feasible])
@@ -111,8 +116,11 @@ def _setups(result: TuneResult, k: int, backend: str) -> tuple[list[dict[str, An
         info[b.name] = {"kind": "baseline", "error": b.error, "feasible": b.feasible,
                         "predicted_step_s": b.predicted_s, "policy_id": b.policy.id,
                         "policy": _plain(b.policy)}
+        if b.name not in presets and not b.feasible:
+            info[b.name]["pruned"] = PRUNED_OVER_BUDGET
+            continue
         if b.name not in presets and b.predicted_s > PRUNE_PREDICTED * fastest:
-            info[b.name]["pruned"] = True
+            info[b.name]["pruned"] = PRUNED_SLOW
             continue
         setups.append({"name": b.name, "kind": "policy", "policy": b.policy.to_dict()})
     for c in picked:
@@ -215,7 +223,10 @@ def verify_result(
         "fastest_overall": overall.fastest,
         "fastest_overall_error": info[overall.fastest]["error"],
         # predicted too slow to measure: name -> predicted seconds
-        "pruned": {n: r["predicted_step_s"] for n, r in info.items() if r.get("pruned")},
+        "pruned": {n: r["predicted_step_s"] for n, r in info.items() if r.get("pruned") == PRUNED_SLOW},
+        # bucket-size variants over the error budget, not measured: they cannot win
+        "pruned_over_budget": [n for n, r in info.items() if r.get("pruned") == PRUNED_OVER_BUDGET],
+        "stopped": measured.get("stopped"),
     }
     meta = dict(result.policy.meta)
     light = {n: {k: v for k, v in r.items() if k != "policy"} for n, r in report.items()}
