@@ -388,3 +388,17 @@ def test_bad_online_setups_fail_in_wrap(run_ranks, mlp_profile: str, tmp_path: P
     assert "check_every" in out["bad knob"]
     assert "cannot write the revision log" in out["unwritable log"]
     assert not log.parent.exists()
+
+
+def test_a_new_reference_forgets_the_strikes_against_the_old_one() -> None:
+    """After a re-search keeps the policy, drift is measured against a new reference:
+    strikes counted against the old one (during the search) would make the first
+    drifting window after it count as the last of ``patience``, dated from before the
+    search, and start another search at once."""
+    from types import SimpleNamespace
+
+    from autotune.online.controller import Controller
+
+    ctl = SimpleNamespace(_ref=(1.2, 1.0), _ref_ratios=[1.1], _settle=0, _strikes=3)
+    Controller._forget_reference(ctl, settle=0)  # type: ignore[arg-type]
+    assert (ctl._ref, ctl._ref_ratios, ctl._settle, ctl._strikes) == (None, [], 0, 0)

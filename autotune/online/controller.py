@@ -375,14 +375,16 @@ class Controller:
         if self.rank == 0:
             with self._lock:
                 self._forget_reference(settle=1)
-                self._strikes = 0
 
     def _forget_reference(self, settle: int) -> None:
         """Rank 0, holding ``_lock``: drift's reference is taken again, after ``settle``
-        checks' windows are skipped."""
+        checks' windows are skipped, and the strikes against the old one are forgotten
+        (kept, the first drifting window after a re-search that kept the policy counted
+        as the last of ``patience``, dated from before the search)."""
         self._ref = None
         self._ref_ratios = []
         self._settle = settle
+        self._strikes = 0
 
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -1086,7 +1088,6 @@ class Controller:
             f"{summary['speedup']:.2f}x" if summary.get("speedup") else "as fast as")
         with self._lock:
             self._forget_reference(settle=2)
-            self._strikes = 0
             self._window = _Window()
         self._explore_from = None
         self._explore_times = []
