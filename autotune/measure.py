@@ -330,7 +330,6 @@ def rank_measure(
     wrap: Wrap | None = None,
     predicted: dict[str, float] | None = None,
     steady_s: float | None = None,
-    learn: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run every set-up for ``rounds`` interleaved blocks of ``block`` steps, each round
     in its own order (:func:`round_order`).
@@ -371,12 +370,6 @@ def rank_measure(
             (e.g. :data:`STEADY_STEP_S`) after its first is steady: that step ends its
             warm-up and counts as timed, and its measurement ends once its last
             :data:`STEADY_STEPS` timed steps all took that long (None: never).
-        learn: with ``separate``, set-ups measured for ``min_rounds`` rounds however much
-            slower than the fastest, unless a step of theirs took :data:`STEADY_STEP_S`:
-            what the caller learns from (verification: PyTorch's hooks, whose ratio to our
-            equivalent the cost model learns from six timed steps, and a hook dropped in
-            warm-up after two left the model predicting it as ours: dlrm's stock
-            PowerSGD at 4 Gbit, 88 ms against 323 measured).
 
     Returns:
         On every rank: per set-up, the slowest rank's time of each measured step, and
@@ -399,7 +392,7 @@ def rank_measure(
     runners = [_build(s, work.model, lr, wrap) for s in parsed]
     slowest: dict[int, list[float]] = {id(r): [] for r in runners}  # the slowest rank's times
     active, steady = _warm_up(runners, warmup, work.make_batch, work.loss_fn, separate, slowest,
-                              predicted or {}, steady_s, learn)
+                              predicted or {}, steady_s)
     before = {id(r): _totals(r) for r in runners}
     floor_rounds = rounds if min_rounds is None else max(1, min(min_rounds, rounds))
     started = time.perf_counter()
@@ -433,7 +426,7 @@ def rank_measure(
             now = {r.setup.name: slowest[id(r)] for r in active}
             stop = None
             if done < floor_rounds:  # before the first test, only the clearly slower leave
-                names = set(now) - _spare(_clearly_slower(now, separate), now, learn)
+                names = set(now) - _clearly_slower(now, separate)
             elif budget_s is not None and time.perf_counter() - budget_from >= budget_s:
                 names, stop = set(), "budget"
             else:
@@ -528,7 +521,7 @@ def run_bench(
 def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int], Any],
              loss_fn: Callable[..., Any], separate: Sequence[str] | None,
              slowest: dict[int, list[float]], predicted: dict[str, float],
-             steady_s: float | None, learn: Sequence[str] = ()) -> tuple[list[_Runner], set[int]]:
+             steady_s: float | None) -> tuple[list[_Runner], set[int]]:
     """Run ``steps`` untimed steps of every set-up, round-robin; returns those to
     measure, and the ids of those found steady.
 
@@ -566,12 +559,10 @@ def _warm_up(runners: Sequence[_Runner], steps: int, make_batch: Callable[[int],
         if dist.get_rank() == 0:
             if k == 0:  # a stock PowerSGD hook's first step is a plain allreduce: not its own
                 own = {r.setup.name: now[r.setup.name] for r in warming if r.steady_from == 1}
-                slower = _spare(_first_step_slower(own, predicted, separate),
-                                {n: [t] for n, t in own.items()}, learn)
+                slower = _first_step_slower(own, predicted, separate)
             else:  # two steady steps at least: one spike (2.5x, seen here) is no evidence
                 steady = {r.setup.name: slowest[id(r)] for r in warming if slowest[id(r)]}
-                slower = _spare({n for n in _clearly_slower(steady, separate) if len(steady[n]) >= 2},
-                                steady, learn)
+                slower = {n for n in _clearly_slower(steady, separate) if len(steady[n]) >= 2}
             keep = torch.tensor([int(r.setup.name not in slower) for r in warming], dtype=torch.uint8)
         dist.broadcast(keep, src=0)
         for runner, k_ in zip(warming, keep.tolist()):
@@ -603,12 +594,6 @@ def _first_step_slower(first: dict[str, float], predicted: dict[str, float],
     return {n for n, t in first.items()
             if n in predicted and predicted[n] > CLEARLY_SLOWER * best_predicted
             and t > CLEARLY_SLOWER * fastest and t - fastest >= CLEAR_GAP_S}
-
-
-def _spare(slower: set[str], times: dict[str, list[float]], learn: Sequence[str]) -> set[str]:
-    """``slower`` without the set-ups of ``learn`` (see :func:`rank_measure`) whose
-    steps in ``times`` all took under :data:`STEADY_STEP_S`."""
-    return {n for n in slower if n not in learn or max(times.get(n) or [STEADY_STEP_S]) >= STEADY_STEP_S}
 
 
 def _clearly_slower(times: dict[str, list[float]], separate: Sequence[str]) -> set[str]:

@@ -141,30 +141,6 @@ def test_a_set_up_clearly_slower_in_warm_up_is_never_timed_beyond_it(run_ranks) 
 
 
 @pytest.mark.multirank
-def test_a_hook_to_learn_from_is_timed_to_min_rounds_however_slower(run_ranks) -> None:
-    setups = [{"name": "stock:fp16", "kind": "hook", "hook": "fp16"},
-              {"name": "fast", "kind": "policy", "policy": {"version": 1, "default": {"compressor": "fp16"}}},
-              {"name": "ddp", "kind": "ddp"}]
-    result = run_ranks("test_verify:rank_slow_warm_up", workload="mlp", setups=setups, rounds=3,
-                       block=2, warmup=3, min_rounds=3, separate=["fast", "ddp"],
-                       predicted={"stock:fp16": 1.0, "fast": 0.01}, slow=["stock:fp16"],
-                       learn=["stock:fp16"])[0]
-    by = {r["name"]: r for r in result["results"]}
-    # clearly slower in every step, and predicted so, yet measured as the others are
-    assert "warmup_only" not in by["stock:fp16"] and len(by["stock:fp16"]["step_s"]) == 6
-    assert min(by["stock:fp16"]["step_s"]) >= 0.3
-
-
-def test_a_set_up_to_learn_from_is_spared_only_while_its_steps_are_short() -> None:
-    from autotune.measure import STEADY_STEP_S, _spare
-
-    times = {"stock:psgd": [0.4, 0.5], "stock:fp16": [0.4, STEADY_STEP_S], "ddp": [3.0, 3.1]}
-    slower = set(times)
-    assert _spare(slower, times, ["stock:psgd", "stock:fp16"]) == {"stock:fp16", "ddp"}
-    assert _spare(slower, times, []) == slower
-
-
-@pytest.mark.multirank
 def test_a_set_up_the_model_predicts_clearly_slower_leaves_after_its_first_step(run_ranks) -> None:
     setups = [{"name": "slow", "kind": "ddp"},
               {"name": "fast", "kind": "policy", "policy": {"version": 1, "default": {"compressor": "fp16"}}},

@@ -6,8 +6,7 @@ The tuned policy and up to ``k - 1`` more candidates spread over the predicted
 error/time Pareto front run in one job, interleaved (A B C A B C ...), beside every
 preset a user could have picked (:mod:`autotune.presets`: plain DDP and PyTorch's own
 hooks, and our policy for the same method), in rounds, until a bootstrap interval
-separates the fastest from the runner-up, no contender left is expected to separate
-from it in the budget left (futile: they are tied), or the time budget ends
+separates the fastest from the runner-up or the time budget ends
 (:func:`autotune.trials.decide`; a set-up shown slower than the fastest is dropped on
 the way, and only those still measured at the end decide, so that one dropped after a
 few noisy steps cannot tie its way back in). Only set-ups within the error budget may win; a tie
@@ -167,9 +166,7 @@ def verify_result(
     measured = launch("autotune.measure:rank_measure", placement=placement, timeout=timeout,
                       kwargs={"workload": workload, "setups": setups, "rounds": max_rounds,
                               "block": block, "min_rounds": min_rounds, "budget_s": budget_s,
-                              "separate": eligible, "predicted": predicted,
-                              # PyTorch's hooks, whose ratio to ours the model learns
-                              "learn": [s["name"] for s in setups if s["kind"] == "hook"]})[0]
+                              "separate": eligible, "predicted": predicted})[0]
     times = {r["name"]: r["step_s"] for r in measured["results"]}
     # how a set-up dropped in warm-up was timed: in its warm-up steps, or its first alone
     flags = {r["name"]: {f: True for f in ("warmup_only", "first_step_only") if r.get(f)}
