@@ -122,8 +122,8 @@ def decide(times: Mapping[str, Sequence[float]], order: Sequence[str], level: fl
     ties = [n for n in order if n in intervals and intervals[n][0] <= 1.0]
     simpler_ties = [n for n in ties if rank[n] < rank[fastest]]
     is_separated = not ties
-    if simpler_ties:
-        winner = simpler_ties[0]
+    if simpler_ties:  # the simplest; of equally simple ones (bucket sizes), the faster
+        winner = min(simpler_ties, key=lambda n: (rank[n], medians[n]))
         low, high = intervals[winner]
         reason = (f"{winner} ties with the fastest, {fastest} ({winner}/{fastest} "
                   f"{medians[winner] / medians[fastest]:.3f}, {level:.0%} interval "

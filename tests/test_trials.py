@@ -56,6 +56,18 @@ def test_one_method_at_two_bucket_sizes_is_equally_simple() -> None:
     assert decide(times, order).winner == "psgd25"
 
 
+def test_of_equally_simple_set_ups_tied_with_a_faster_one_the_lower_median_wins() -> None:
+    # plain DDP at two bucket sizes tie with a tuned policy a little faster: the simpler
+    # method wins, and of its two bucket sizes the faster, not the one listed first
+    order = ["ddp1mb", "ddp", "tuned"]
+    ranks = {"ddp1mb": 0, "ddp": 0, "tuned": 2}
+    times = {n: [m * f for f in (1.0, 1.05, 0.95) * 4]
+             for n, m in (("ddp1mb", 1.0), ("ddp", 0.99), ("tuned", 0.985))}
+    d = decide(times, order, simplicity=ranks)
+    assert d.fastest == "tuned" and not d.separated
+    assert d.winner == "ddp" and "ddp ties with the fastest, tuned" in d.reason
+
+
 def test_equal_medians_go_to_the_simpler() -> None:
     times = {"ddp": [1.0, 1.0, 1.0], "none": [1.0, 1.0, 1.0]}
     assert decide(times, ["ddp", "none"]).winner == "ddp"
