@@ -61,7 +61,10 @@ STEADY_STEPS = 2  # timed steps of such a set-up, its last warm-up step among th
 # when none of them is expected to separate from the fastest in the budget and rounds
 # left (:func:`_futile`). At 100 Mbit four tuned cnn candidates within 1% of each other
 # spent the whole 60 s budget (25 rounds) at intervals of 0.95-1.07 against the fastest.
-FUTILE_MIN_STEPS = 10
+# From 10 steps, the grid's unshaped cells ended after 5-9 rounds, on intervals of 10
+# steps that are themselves noisy (cnn: 0.95-1.13 among DDP at three bucket sizes, bf16
+# and three tuned candidates).
+FUTILE_MIN_STEPS = 16
 # Why an adaptive measurement ended (``stopped`` in rank_measure's result).
 STOPS = ("rounds", "separated", "budget", "futile")
 # PyTorch's hooks: the presets' and ``allreduce`` (default_hooks.allreduce_hook: DDP's own

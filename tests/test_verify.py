@@ -82,24 +82,20 @@ def test_a_measurement_stops_as_separated_or_at_its_budget_and_says_so(run_ranks
 
 
 def test_futility_needs_steps_and_no_rival_expected_to_separate() -> None:
-    import numpy as np
+    import math
 
     from autotune.measure import FUTILE_MIN_STEPS, _futile, _rounds_left
     from autotune.trials import ratio_interval
 
-    rng = np.random.default_rng(0)
-
-    def steps(scale: float, n: int, noise: float) -> list[float]:
-        return (scale * (1 + noise * rng.standard_normal(n))).tolist()
-
-    alike = {"a": steps(1.0, 12, 0.03), "b": steps(1.0, 12, 0.03)}
+    n = FUTILE_MIN_STEPS + 2
+    base = [1 + 0.06 * math.sin(2.1 * i) for i in range(n)]  # steps 6% apart, or so
+    alike = {"a": base, "b": base[::-1]}  # the same steps in another order: one median
     assert _futile(alike, 2, 25)
     # the same, before every contender has FUTILE_MIN_STEPS steps: too few to judge
-    assert not _futile({n: t[: FUTILE_MIN_STEPS - 1] for n, t in alike.items()}, 2, 25)
-    # 3% apart at 5% noise: not separated in 12 steps (the caller passes only rivals
-    # not yet shown slower), expected to be in 100 rounds more, but not in none
-    rng = np.random.default_rng(0)
-    apart = {"a": steps(1.0, 12, 0.05), "b": steps(1.03, 12, 0.05), "c": steps(1.0, 12, 0.05)}
+    assert not _futile({k: t[: FUTILE_MIN_STEPS - 1] for k, t in alike.items()}, 2, 25)
+    # 3% apart: not separated in n steps (the caller passes only rivals not yet shown
+    # slower), expected to be in 100 rounds more, but not in none
+    apart = {"a": base, "b": [1.03 * x for x in base[::-1]]}
     assert ratio_interval(apart["b"], apart["a"])[0] < 1.0
     assert not _futile(apart, 2, 100)
     assert _futile(apart, 2, 0)
