@@ -268,7 +268,6 @@ def test_a_bucket_variant_over_the_error_budget_is_not_measured_but_its_preset_i
     assert variants_over[1.5] == set()  # every variant within budget, and measured
 
 
-
 def rank_stock_powersgd_steps() -> list[int]:
     """Elements PyTorch's PowerSGD hook sent compressed after each of 3 steps, run as
     measuring runs it."""
