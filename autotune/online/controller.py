@@ -124,8 +124,10 @@ NETWORK_STEPS = 20  # auto's network probe takes at most about this many DDP ste
 # while the auto search runs, rank 0 looks for its reply every this many steps (each
 # check is a broadcast that every rank waits on: on a fast link, a step's worth of it)
 SEARCH_POLL_STEPS = 4
-# windows whose median step ratio is drift's reference: one window can catch a burst of
-# host load (the job's first steps, another process) that the steps after it never see
+# windows whose lowest step ratio is drift's reference: a window can catch a burst of
+# host load (the job's first steps, another process) that the steps after it never see,
+# and load only ever adds time (two of three windows 7x slow in a loaded test run made
+# their median the burst, and the slowdown after it measured as no change)
 REF_WINDOWS = 3
 # steps of the running search after which rank 0 weighs what it costs the job (the
 # steps it slows) against the most any policy could win (the exposed communication):
@@ -548,7 +550,7 @@ class Controller:
             else:
                 self._ref_ratios.append(ratio)
                 if len(self._ref_ratios) >= REF_WINDOWS:
-                    self._ref = (statistics.median(self._ref_ratios), self._scale)
+                    self._ref = (min(self._ref_ratios), self._scale)
                     self._ref_ratios = []
             return b"", 0
         ref_ratio, ref_scale = self._ref
