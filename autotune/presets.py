@@ -57,6 +57,14 @@ class Preset:
         """Plain DDP: no compression."""
         return self.hook is None
 
+    @property
+    def runs_as_ours(self) -> bool:
+        """PyTorch runs the method the way our hook does: DDP's own allreduce, or the
+        fp16/bf16 hooks' encode, async allreduce, decode (the hook's direct path), so
+        the stock set-up costs what our equivalent costs. Its PowerSGD hook does not
+        (one bucket on gloo, full-size tensors each step)."""
+        return self.hook in (None, "fp16", "bf16")
+
     def policy(self, bucket_cap_mb: float | None = DDP_BUCKET_CAP_MB) -> dict[str, Any]:
         """Our equivalent, as policy JSON (``bucket_cap_mb`` None: the key left out,
         which means DDP's default too)."""

@@ -469,22 +469,37 @@ def test_a_measured_stock_set_up_scales_its_predictions_and_fits_no_residual() -
     plain = CostModel.fit(base)
     ours = Policy.from_dict(preset("powersgd1").policy())
     # verification measured PyTorch's hook at 1.5x our equivalent, interleaved beside it
+    fp16 = Policy.from_dict(preset("fp16").policy())
     runs = [{"policy": ours.to_dict(), "step_s": 0.2, "source": "verify", "policy_id": ours.id},
             {"policy": None, "step_s": 0.3, "source": "verify", "stock": "powersgd1"},
-            {"policy": None, "step_s": 0.5, "source": "verify", "stock": "fp16"}]  # no ours
+            # PyTorch's fp16 hook runs as ours does: a ratio measured for it is noise
+            {"policy": fp16.to_dict(), "step_s": 0.2, "source": "verify", "policy_id": fp16.id},
+            {"policy": None, "step_s": 0.25, "source": "verify", "stock": "fp16"}]
     profile = _with_calibration(base, runs)
     model = CostModel.fit(profile)
-    assert model.stock_ratios == {"powersgd1": pytest.approx(1.5)}
-    # the residual learns from the one policy run only (under 3: none is fitted)
-    assert calibration_pairs(profile.calibration.results) == [(ours, 0.2)]
+    # the stock PowerSGD hook's ratio holds for its other rank too (what it adds does
+    # not depend on the rank)
+    assert model.stock_ratios == {"powersgd1": pytest.approx(1.5), "powersgd4": pytest.approx(1.5)}
+    # the residual learns from our policies' runs only (under 3: none is fitted)
+    assert calibration_pairs(profile.calibration.results) == [(ours, 0.2), (fp16, 0.2)]
     assert model.residual is None
     slow = WhatIf(bandwidth_bps=1e8)
     assert model.predict_stock("powersgd1", slow) == pytest.approx(1.5 * plain.predict(ours, slow).step_s)
-    # not measured beside ours: our equivalent's prediction as it is
-    fp16 = Policy.from_dict(preset("fp16").policy())
+    # a hook PyTorch runs as ours does: our equivalent's prediction as it is
     assert model.predict_stock("fp16", slow) == plain.predict(fp16, slow).step_s
     again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert again.stock_ratios == model.stock_ratios
+
+
+def test_the_stock_powersgd_ratio_is_one_for_its_ranks_their_geometric_mean() -> None:
+    base = synthetic_profile("cnn")
+    runs = []
+    for name, ours_s, stock_s in (("powersgd1", 0.2, 0.4), ("powersgd4", 0.25, 0.25)):
+        ours = Policy.from_dict(preset(name).policy())
+        runs += [{"policy": ours.to_dict(), "step_s": ours_s, "source": "verify", "policy_id": ours.id},
+                 {"policy": None, "step_s": stock_s, "source": "verify", "stock": name}]
+    ratios = stock_ratios(_with_calibration(base, runs).calibration.results)
+    assert ratios == {"powersgd1": pytest.approx(2 ** 0.5), "powersgd4": pytest.approx(2 ** 0.5)}
 
 
 def test_a_stock_run_must_name_a_preset() -> None:
@@ -508,7 +523,7 @@ def test_verification_learns_its_stock_measurements_beside_our_policies() -> Non
     once = learned(profile.calibration, report)
     twice = learned(once, {**report, "stock:powersgd1": {**report["stock:powersgd1"],
                                                          "measured_step_s": 0.4}})
-    assert stock_ratios(twice.results) == {"powersgd1": pytest.approx(2.0)}
+    assert stock_ratios(twice.results) == {"powersgd1": pytest.approx(2.0), "powersgd4": pytest.approx(2.0)}
     stock = [r for r in twice.results if r.stock is not None]
     assert [(r.stock, r.step_s) for r in stock] == [("powersgd1", 0.4)]  # the older replaced
     assert [r.policy_id for r in twice.results if r.stock is None] == [ours.id]
