@@ -200,7 +200,7 @@ def rank_compute_slowdown(profile: str, fork: bool = True, steps: int = 70,
                           burst: bool = False) -> dict[str, Any]:
     """The link holds and every step gets much slower (another job took the CPU). The
     re-search runs on a fork of rank 0, or (``fork`` False) on a thread. ``burst``: steps
-    10-19 are as slow too (load over two of the three windows the reference is taken
+    10-14 are as slow too (load over one of the three windows the reference is taken
     from), then fast again."""
     if not fork:
         from autotune.online import controller
@@ -224,7 +224,7 @@ def rank_compute_slowdown(profile: str, fork: bool = True, steps: int = 70,
 
         ddp.controller._watch = spy  # type: ignore[method-assign]
     _train(ddp, work, steps, opt,
-           lambda step: time.sleep(0.2 if step >= 30 or (burst and 10 <= step < 20) else 0.01))
+           lambda step: time.sleep(0.2 if step >= 30 or (burst and 10 <= step < 15) else 0.01))
     deadline = time.monotonic() + 30  # let a re-search still running report (rank 0 takes
     while ddp.controller._researching():  # its reply at a check; training has ended)
         assert time.monotonic() < deadline
@@ -348,8 +348,11 @@ def test_a_compute_slowdown_is_searched_as_slower_compute_and_kept(
 
 def test_a_burst_of_load_while_the_reference_is_taken_does_not_hide_a_later_slowdown(
         run_ranks, mlp_profile: str) -> None:
-    # two of the reference's three windows caught the burst; the fastest of them did not
-    # (with the burst as the reference, the slowdown at step 30 measured as no change)
+    # one of the reference's three windows caught the burst; the fastest of them did not
+    # (with the burst as the reference, the slowdown at step 30 measured as no change).
+    # The host stalls now and then too: steps that sleep 0.01 s measured 0.22 s over a
+    # whole window in about one run of ten; with the burst over two windows, a stall in the
+    # third hid the slowdown (CI), so the burst leaves two windows to the reference.
     r = run_ranks("test_online:rank_compute_slowdown", profile=mlp_profile, burst=True,
                   timeout=240)[0]
     drifts = [e for e in r["events"] if e["event"] == "drift"]
