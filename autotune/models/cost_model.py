@@ -110,15 +110,13 @@ def stock_ratios(results: Sequence[CalibrationRun]) -> dict[str, float]:
     held-out median ratio error of stop 38's grid from 4.5% to 6.6%."""
     ours = {r.policy_id: float(r.step_s) for r in results
             if r.source == "verify" and r.stock is None and r.policy_id}
-    logs: dict[str, list[float]] = {}
+    logs: dict[str, list[float]] = {}  # per stock hook: log(stock / ours) of its presets
     for r in results:
-        if r.stock is None or get_preset(r.stock).runs_as_ours:
-            continue
-        mine = ours.get(_equivalent(r.stock).id)
+        stock = get_preset(r.stock) if r.stock is not None else None
+        mine = ours.get(_equivalent(stock.name).id) if stock and not stock.runs_as_ours else None
         if mine:
-            logs.setdefault(str(get_preset(r.stock).hook), []).append(math.log(float(r.step_s) / mine))
-    return {p.name: math.exp(statistics.fmean(logs[str(p.hook)]))
-            for p in PRESETS if str(p.hook) in logs and not p.runs_as_ours}
+            logs.setdefault(str(stock.hook), []).append(math.log(float(r.step_s) / mine))
+    return {p.name: math.exp(statistics.fmean(logs[str(p.hook)])) for p in PRESETS if str(p.hook) in logs}
 
 
 def _equivalent(name: str) -> Policy:
