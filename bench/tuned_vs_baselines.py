@@ -70,11 +70,11 @@ def _equivalent(name: str) -> Policy:
     return Policy.from_dict({"version": 1, "bucket_cap_mb": cap, "default": {"compressor": "none"}})
 
 
-# Set-ups whose measured path is what the cost model describes: plain DDP at each bucket
-# size (our plain policy runs natively, as DDP) and the fp16 hook (our direct path is the
-# stock hook's own). PyTorch's PowerSGD hook is not: it allocates full-size tensors each
-# step and measured 1.2-2x our PowerSGD in bench/vs_stock.py, which the model predicts.
-DESCRIBED = ("ddp", "fp16", *BUCKETS[1:])
+# Set-ups whose measured path is what the cost model describes: the presets PyTorch runs
+# as ours (Preset.runs_as_ours: plain DDP, also at each bucket size, and the fp16 hook).
+# PyTorch's PowerSGD hook is not: it allocates full-size tensors each step and measured
+# 1.2-2x our PowerSGD in bench/vs_stock.py, which the model predicts.
+DESCRIBED = (*(p.name for p in STOCK if p.runs_as_ours), *BUCKETS[1:])
 
 
 def held_out(profile: Any, rate: str, medians: dict[str, float],
